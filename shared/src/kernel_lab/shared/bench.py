@@ -1,0 +1,170 @@
+"""Benchmark helpers for pytest-benchmark: a synchronizing timer, byte/FLOP models, roofline.
+
+Usage in a benchmark (one group per (shape, dtype), one row per implementation):
+
+    def test_softmax(benchmark, impl, shape):
+        fn = ...                                    # one call of the implementation
+        run_cuda(benchmark, fn)                     # warm-up, rounds, synchronized timing
+        annotate(benchmark, impl=impl, role="baseline" if impl == "torch" else "peer",
+                 bytes_moved=..., max_error=...)
+
+`pytest --benchmark-timer kernel_lab.shared.bench.cuda_timer` makes every round wait for the
+GPU. The speedup of each row over its group's baseline is filled in by `add_speedups` (called
+from the benchmarks' conftest when the JSON is written and for the terminal table).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from . import runtime
+
+__all__ = [
+    "add_speedups",
+    "annotate",
+    "attention_flops",
+    "bytes_of",
+    "cuda_timer",
+    "format_table",
+    "matmul_flops",
+    "run_cuda",
+]
+
+
+def cuda_timer() -> float:
+    """perf_counter() after torch.cuda.synchronize(): a round ends when the GPU work does."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def bytes_of(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the given tensors' elements (None ignored): one read or one write of each."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m, k) @ (k, n) product: one multiply and one add per term."""
+    return 2 * m * n * k
+
+
+def attention_flops(
+    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, *, causal: bool = False,
+    backward: bool = False,
+) -> float:
+    """FLOPs of attention: QK^T and PV (4*B*H*Tq*Tk*D), halved under causal masking (Tq == Tk
+    counting convention of FlashAttention); the backward does 2.5x the forward's matmuls."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * (2.5 if backward else 1.0)
+
+
+def run_cuda(benchmark, fn, *, min_round_seconds: float = 2e-3, rounds: int = 30, warmup_rounds: int = 3):
+    """Time `fn` with pytest-benchmark: warm-up (compilation, autotune), then `rounds` rounds of
+    enough back-to-back calls to last `min_round_seconds`, so launch gaps do not dominate."""
+    for _ in range(warmup_rounds):
+        fn()
+    start = cuda_timer()
+    fn()
+    one_call = max(cuda_timer() - start, 1e-6)
+    iterations = max(1, math.ceil(min_round_seconds / one_call))
+    return benchmark.pedantic(fn, rounds=rounds, iterations=iterations, warmup_rounds=1)
+
+
+def annotate(
+    benchmark,
+    *,
+    impl: str,
+    role: str = "peer",
+    bytes_moved: int | None = None,
+    flops: float | None = None,
+    max_error: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Fill `benchmark.extra_info` after the run: GB/s, TFLOP/s, % of measured peak, error.
+
+    impl: the row's implementation name; role: "baseline" for the row speedups are taken
+    against (one per group), "kernel_lab" for ours, "peer" for the rest.
+    bytes_moved: the fewest bytes the op must move (each input read once, each output written
+    once); flops: its floating-point operations.
+    """
+    seconds = benchmark.stats.stats.median
+    info: dict[str, Any] = {"impl": impl, "role": role, "median_ms": seconds * 1e3}
+    if bytes_moved is not None:
+        gbps = bytes_moved / seconds / 1e9
+        info["bytes"] = int(bytes_moved)
+        info["gbps"] = gbps
+        if runtime.cuda_available():
+            info["pct_peak_bw"] = 100 * gbps * 1e9 / runtime.measured_copy_bandwidth()
+    if flops is not None:
+        tflops = flops / seconds / 1e12
+        info["flops"] = float(flops)
+        info["tflops"] = tflops
+        if runtime.cuda_available():
+            info["pct_peak_flops"] = 100 * tflops * 1e12 / runtime.measured_matmul_flops()
+    if max_error is not None:
+        info["max_error"] = float(max_error)
+    info.update(extra)
+    benchmark.extra_info.update(info)
+    return info
+
+
+def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
+    """Set extra_info["speedup"] = baseline median / row median within each group, in place.
+
+    rows: pytest-benchmark JSON benchmark entries (dicts with "group", "stats", "extra_info").
+    Also sets "vs_best_peer" on kernel_lab rows: best peer median / our median.
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r.get("group") or "", []).append(r)
+    for members in groups.values():
+        base = [r for r in members if r["extra_info"].get("role") == "baseline"]
+        peers = [r for r in members if r["extra_info"].get("role") in ("baseline", "peer")]
+        best_peer = min((r["stats"]["median"] for r in peers), default=None)
+        for r in members:
+            median = r["stats"]["median"]
+            if base:
+                r["extra_info"]["speedup"] = base[0]["stats"]["median"] / median
+            if best_peer is not None and r["extra_info"].get("role") == "kernel_lab":
+                r["extra_info"]["vs_best_peer"] = best_peer / median
+
+
+def geomean(values: Iterable[float]) -> float:
+    vals = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table of benchmark rows (after `add_speedups`), grouped, plus geomeans."""
+
+    def cell(info: dict[str, Any], key: str, fmt: str) -> str:
+        return format(info[key], fmt) if key in info else "-"
+
+    header = f"{'group':<44} {'impl':<16} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} " \
+             f"{'x base':>7} {'x peer':>7} {'max err':>9}"
+    lines = [header, "-" * len(header)]
+    for r in sorted(rows, key=lambda r: (r.get("group") or "", r["stats"]["median"])):
+        info = r["extra_info"]
+        lines.append(
+            f"{(r.get('group') or '')[:44]:<44} {info.get('impl', r['name'])[:16]:<16} "
+            f"{r['stats']['median'] * 1e3:>9.4f} {cell(info, 'gbps', '8.0f')} "
+            f"{cell(info, 'pct_peak_bw', '6.1f')} {cell(info, 'tflops', '8.1f')} "
+            f"{cell(info, 'speedup', '7.2f')} {cell(info, 'vs_best_peer', '7.2f')} "
+            f"{cell(info, 'max_error', '9.2e')}"
+        )
+    ours = [r["extra_info"] for r in rows if r["extra_info"].get("role") == "kernel_lab"]
+    if ours:
+        lines.append(
+            f"kernel_lab rows: {len(ours)}; geomean speedup over baseline "
+            f"{geomean(i.get('speedup', 0) for i in ours):.2f}x; geomean vs best peer "
+            f"{geomean(i.get('vs_best_peer', 0) for i in ours):.2f}x; "
+            f"worst vs best peer {min(i.get('vs_best_peer', float('inf')) for i in ours):.2f}x"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""pytest plugin of kernel_lab (entry point `pytest11`): markers and shared fixtures.
+
+Markers:
+- `gpu`: needs CUDA; skipped with the reason shown when torch sees no CUDA device.
+- `interpret`: runs a real Triton kernel on small shapes. It runs on CUDA when there is one,
+  else on the CPU under the Triton interpreter (TRITON_INTERPRET=1, set before the kernel
+  package is imported); with neither it is skipped with the reason shown.
+
+Fixtures: `kernel_device` (where an `interpret` test puts its tensors) and `seed` (a stable
+per-test seed, so each test draws its own fresh inputs, reproducibly).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from . import runtime
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped otherwise)")
+    config.addinivalue_line(
+        "markers", "interpret: runs a Triton kernel on CUDA, or on the CPU under TRITON_INTERPRET=1"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    v = runtime.versions()
+    where = v.get("device", "no CUDA device")
+    return (
+        f"kernel_lab: torch {v['torch']}, triton {v.get('triton', 'absent')}, {where}, "
+        f"TRITON_INTERPRET={'1' if runtime.interpret_mode() else '0'}"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = runtime.cuda_available()
+    can_interpret = runtime.triton_available() and runtime.interpret_mode()
+    skip_gpu = pytest.mark.skip(reason="gpu tier: needs CUDA, torch.cuda.is_available() is False")
+    skip_interpret = pytest.mark.skip(
+        reason="interpret tier: no CUDA device and TRITON_INTERPRET is not 1 (or triton is missing)"
+    )
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "interpret" in item.keywords and not (has_cuda or can_interpret):
+            item.add_marker(skip_interpret)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """"cuda" when available, else "cpu" (where Triton kernels run under the interpreter)."""
+    return "cuda" if runtime.cuda_available() else "cpu"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A seed derived from the test's node id: fresh inputs per test, the same on every run."""
+    return zlib.crc32(request.node.nodeid.encode())

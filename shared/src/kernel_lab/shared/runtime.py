@@ -1,0 +1,193 @@
+"""What this process can run on: CUDA, Triton, the Triton interpreter, and device facts.
+
+Every kernel package asks this module, and only this module, which path to take, so
+compatibility code lives in one place:
+
+    backend(x) == "triton"            x is on CUDA: the compiled Triton kernel runs
+    backend(x) == "triton-interpret"  x is on the CPU and TRITON_INTERPRET=1: the same
+                                      Triton kernel runs under the interpreter
+    backend(x) == "reference"         anything else: the PyTorch reference in
+                                      kernel_lab.shared.reference runs
+
+The interpreter flag is read by Triton when a kernel is *decorated*, so it must be set
+before any kernel package is imported; `interpret_mode()` reads the same variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DeviceInfo",
+    "backend",
+    "cuda_available",
+    "device_info",
+    "interpret_mode",
+    "measured_copy_bandwidth",
+    "measured_matmul_flops",
+    "triton_available",
+    "uses_triton",
+    "versions",
+]
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one CUDA device."""
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the `triton` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpret_mode() -> bool:
+    """True when TRITON_INTERPRET asks Triton to run kernels on the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def backend(x: torch.Tensor) -> str:
+    """Which implementation a kernel_lab op runs for a tensor on `x.device`.
+
+    Returns "triton" (CUDA), "triton-interpret" (CPU with TRITON_INTERPRET=1) or
+    "reference" (the PyTorch reference, e.g. a CPU tensor without the interpreter).
+    """
+    if not triton_available():
+        return "reference"
+    if x.device.type == "cuda":
+        return "triton"
+    if x.device.type == "cpu" and interpret_mode():
+        return "triton-interpret"
+    return "reference"
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """True when `backend(x)` runs a Triton kernel (compiled or interpreted)."""
+    return backend(x) != "reference"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Static facts of one CUDA device, read from the driver."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    l2_bytes: int
+    total_memory_bytes: int
+
+    @property
+    def model_slug(self) -> str:
+        """A folder-safe name of the GPU model, e.g. 'nvidia-h200' (one history per model)."""
+        return "".join(c if c.isalnum() else "-" for c in self.name.lower()).strip("-")
+
+
+@functools.cache
+def device_info(index: int | None = None) -> DeviceInfo:
+    """Facts of CUDA device `index` (the current device when None). Raises if no CUDA."""
+    if not cuda_available():
+        raise RuntimeError("device_info() needs a CUDA device; torch.cuda.is_available() is False")
+    index = torch.cuda.current_device() if index is None else index
+    p = torch.cuda.get_device_properties(index)
+    return DeviceInfo(
+        name=p.name,
+        capability=(p.major, p.minor),
+        sm_count=p.multi_processor_count,
+        l2_bytes=int(getattr(p, "L2_cache_size", 0)),
+        total_memory_bytes=p.total_memory,
+    )
+
+
+def _median_cuda_ms(fn, repeats: int) -> float:
+    """Median time of `fn()` in ms over `repeats` runs, timed with CUDA events after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def measured_copy_bandwidth(index: int | None = None) -> float:
+    """Device-to-device copy bandwidth of CUDA device `index` in bytes/s (read + write counted).
+
+    Measured once per process and device: a 1 GiB copy, 16 times many the L2 of any current
+    GPU, so the figure is HBM and not cache. This is the "100%" of a memory-bound kernel.
+    """
+    index = torch.cuda.current_device() if index is None else index
+    n = 1 << 30
+    with torch.cuda.device(index):
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        ms = _median_cuda_ms(lambda: dst.copy_(src), repeats=20)
+        del src, dst
+        torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+@functools.cache
+def measured_matmul_flops(index: int | None = None, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense matmul rate of CUDA device `index` in FLOP/s (torch.matmul, 8192^3, random data).
+
+    Random inputs on purpose: tensor cores run measurably faster on zeros. This is the "100%"
+    of a compute-bound kernel.
+    """
+    index = torch.cuda.current_device() if index is None else index
+    n = 8192
+    with torch.cuda.device(index):
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        ms = _median_cuda_ms(lambda: a @ b, repeats=10)
+        del a, b
+        torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def versions() -> dict[str, str]:
+    """Versions that a benchmark figure must be recorded with (device, driver, torch, triton)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    if triton_available():
+        import triton
+
+        out["triton"] = triton.__version__
+    if cuda_available():
+        info = device_info()
+        out["device"] = info.name
+        out["capability"] = f"{info.capability[0]}.{info.capability[1]}"
+        out["cuda"] = str(torch.version.cuda)
+        out["driver"] = _driver_version()
+    return out
+
+
+@functools.cache
+def _driver_version() -> str:
+    try:
+        import pynvml  # shipped as nvidia-ml-py next to CUDA torch builds
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 - the driver version is informative, never fatal
+        import subprocess
+
+        try:
+            res = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10, check=True,
+            )
+            return res.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            return "unknown"

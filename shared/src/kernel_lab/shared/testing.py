@@ -1,0 +1,208 @@
+"""Test helpers: input makers, the tolerance rule, and a verbose assert.
+
+The tolerance rule (the FlashAttention test-suite rule, docs/correctness.md):
+
+    max|kernel - ref| <= factor * max|baseline - ref| + atol
+
+`ref` is the float64 (or float32) reference from `kernel_lab.shared.reference` on the same
+inputs; `baseline` is a same-precision PyTorch computation (e.g. eager bf16), so the budget
+is "no worse than `factor` times what PyTorch itself gets wrong at this precision".
+`atol` is a floor for the case where the baseline happens to be exact; by default it is
+`DEFAULT_ATOL[dtype] * max(1, max|ref|)`, i.e. relative to the data's scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "ErrorReport",
+    "assert_close_to_reference",
+    "error_report",
+    "make_generator",
+    "poison_",
+    "poisoned",
+    "randn",
+    "strided_rows",
+    "transposed_copy",
+]
+
+# Floors of the error budget, per output dtype, relative to max(1, max|ref|): about a
+# hundredth of the dtype's unit roundoff, far below any real kernel error, so the budget is
+# driven by the baseline's error and not by this floor.
+DEFAULT_ATOL: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.float16: 1e-5,
+    torch.bfloat16: 1e-4,
+}
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with `seed` (draw on the CPU, then move: same values everywhere)."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(
+    *shape: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    scale: float = 1.0,
+    requires_grad: bool = False,
+) -> torch.Tensor:
+    """Standard-normal values times `scale`, drawn in float32 on the CPU with `seed`."""
+    x = torch.randn(*shape, generator=make_generator(seed), dtype=torch.float32) * scale
+    return x.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def strided_rows(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values as `x` in a view whose last dim is contiguous but rows are not.
+
+    The storage has `pad` extra columns (NaN-filled, so a kernel that reads past a row shows
+    it), so stride(-2) == size(-1) + pad. Shape (..., N) -> view of (..., N + pad)[..., :N].
+    """
+    shape = list(x.shape)
+    buf = torch.full(shape[:-1] + [shape[-1] + pad], float("nan"), dtype=x.dtype, device=x.device)
+    view = buf[..., : shape[-1]]
+    view.copy_(x)
+    return view
+
+
+def transposed_copy(x: torch.Tensor) -> torch.Tensor:
+    """The same values as `x` (ndim >= 2) laid out column-major in the last two dims."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def poisoned(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An output buffer filled with NaN (floats) or the dtype's max (ints): unwritten shows."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return poison_(t)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill `t` in place with NaN (floats) or the dtype's max (ints) and return it."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+@dataclass
+class ErrorReport:
+    """The numbers behind one tolerance check."""
+
+    name: str
+    max_abs_error: float  # max |out - ref| over positions where ref is finite
+    max_rel_error: float  # max_abs_error / max |ref|
+    baseline_error: float | None  # max |baseline - ref|, same positions
+    budget: float  # factor * baseline_error + atol
+    factor: float
+    atol: float
+    worst_index: tuple[int, ...] | None
+    nonfinite_mismatches: int  # positions where out and ref disagree on NaN / +inf / -inf
+    nonfinite_example: str
+
+    @property
+    def ok(self) -> bool:
+        return self.nonfinite_mismatches == 0 and self.max_abs_error <= self.budget
+
+    def __str__(self) -> str:
+        base = "n/a" if self.baseline_error is None else f"{self.baseline_error:.3e}"
+        lines = [
+            f"{self.name}: max abs error {self.max_abs_error:.3e} (at {self.worst_index}), "
+            f"relative {self.max_rel_error:.3e}; budget {self.budget:.3e} = "
+            f"{self.factor:g} x baseline error {base} + atol {self.atol:.1e}",
+        ]
+        if self.nonfinite_mismatches:
+            lines.append(
+                f"{self.name}: {self.nonfinite_mismatches} NaN/Inf mismatches vs reference, "
+                f"e.g. {self.nonfinite_example}"
+            )
+        return "\n".join(lines)
+
+
+def _nonfinite_mismatch(out: torch.Tensor, ref: torch.Tensor) -> tuple[int, str]:
+    """Count positions where out and ref differ in being NaN, +inf or -inf."""
+    kinds = []
+    for t in (out, ref):
+        k = torch.zeros(t.shape, dtype=torch.int8, device=t.device)
+        k[torch.isnan(t)] = 1
+        k[torch.isposinf(t)] = 2
+        k[torch.isneginf(t)] = 3
+        kinds.append(k)
+    bad = kinds[0] != kinds[1]
+    n = int(bad.sum())
+    if n == 0:
+        return 0, ""
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    return n, f"index {idx}: output {out[idx].item()} vs reference {ref[idx].item()}"
+
+
+def error_report(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    baseline: torch.Tensor | None = None,
+    *,
+    factor: float = 2.0,
+    atol: float | None = None,
+    name: str = "output",
+) -> ErrorReport:
+    """Measure `out` against `ref` (and the `baseline` budget) without asserting."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    if baseline is not None and baseline.shape != ref.shape:
+        raise AssertionError(f"{name}: baseline shape {tuple(baseline.shape)} != {tuple(ref.shape)}")
+    ref64 = ref.detach().to("cpu", torch.float64)
+    out64 = out.detach().to("cpu", torch.float64)
+    mismatches, example = _nonfinite_mismatch(out64, ref64)
+    finite = torch.isfinite(ref64) & torch.isfinite(out64)
+    diff = torch.where(finite, (out64 - ref64).abs(), torch.zeros_like(ref64))
+    scale = float(torch.where(finite, ref64.abs(), torch.zeros_like(ref64)).max()) if ref64.numel() else 0.0
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else None
+    if atol is None:
+        atol = DEFAULT_ATOL.get(out.dtype, 1e-6) * max(1.0, scale)
+    baseline_err = None
+    budget = atol
+    if baseline is not None:
+        b64 = baseline.detach().to("cpu", torch.float64)
+        bfinite = finite & torch.isfinite(b64)
+        bdiff = torch.where(bfinite, (b64 - ref64).abs(), torch.zeros_like(ref64))
+        baseline_err = float(bdiff.max()) if bdiff.numel() else 0.0
+        budget = factor * baseline_err + atol
+    return ErrorReport(
+        name=name,
+        max_abs_error=max_abs,
+        max_rel_error=max_abs / scale if scale > 0 else max_abs,
+        baseline_error=baseline_err,
+        budget=budget,
+        factor=factor,
+        atol=atol,
+        worst_index=worst,
+        nonfinite_mismatches=mismatches,
+        nonfinite_example=example,
+    )
+
+
+def assert_close_to_reference(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    baseline: torch.Tensor | None = None,
+    *,
+    factor: float = 2.0,
+    atol: float | None = None,
+    name: str = "output",
+) -> ErrorReport:
+    """Assert the tolerance rule; on failure the message carries the whole `ErrorReport`.
+
+    out: the kernel's result; ref: the reference (float64/float32) on the same inputs;
+    baseline: the same-precision PyTorch result (None: the budget is `atol` alone).
+    NaN/Inf must appear exactly where the reference has them, with the same sign.
+    """
+    report = error_report(out, ref, baseline, factor=factor, atol=atol, name=name)
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report

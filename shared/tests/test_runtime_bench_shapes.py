@@ -1,0 +1,57 @@
+"""runtime, bench and shapes: what can be checked without a GPU, plus the gpu tier."""
+
+import pytest
+import torch
+
+from kernel_lab.shared import bench, runtime, shapes
+
+
+def test_backend_on_cpu_follows_the_interpreter_flag(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runtime.backend(x) == ("triton-interpret" if runtime.triton_available() else "reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert runtime.backend(x) == "reference"
+
+
+def test_versions_name_torch_and_python():
+    v = runtime.versions()
+    assert v["torch"] == torch.__version__ and "python" in v
+
+
+def test_byte_and_flop_models():
+    a = torch.empty(10, 4, dtype=torch.bfloat16)
+    assert bench.bytes_of(a, None, a) == 2 * 10 * 4 * 2
+    assert bench.matmul_flops(2, 3, 4) == 48
+    assert bench.attention_flops(1, 2, 8, 8, 4, causal=True) == 4 * 2 * 8 * 8 * 4 / 2
+
+
+def test_add_speedups_and_table():
+    def row(group, impl, role, median):
+        return {"group": group, "name": impl, "stats": {"median": median},
+                "extra_info": {"impl": impl, "role": role}}
+
+    rows = [row("g", "torch", "baseline", 2.0), row("g", "compile", "peer", 1.0),
+            row("g", "ours", "kernel_lab", 0.5)]
+    bench.add_speedups(rows)
+    assert rows[2]["extra_info"]["speedup"] == 4.0
+    assert rows[2]["extra_info"]["vs_best_peer"] == 2.0
+    assert "geomean speedup over baseline 4.00x" in bench.format_table(rows)
+
+
+def test_shape_presets():
+    m = shapes.model("llama-3-8b")
+    assert (m.hidden_size, m.intermediate_size, m.gqa_ratio, m.head_dim) == (4096, 14336, 4, 128)
+    assert m.num_heads * m.head_dim == m.hidden_size
+    with pytest.raises(KeyError, match="known"):
+        shapes.model("gpt-5")
+
+
+@pytest.mark.gpu
+def test_device_facts_and_measured_peaks_are_plausible():
+    info = runtime.device_info()
+    assert info.sm_count > 0 and info.l2_bytes > 0 and info.capability >= (7, 0)
+    bw = runtime.measured_copy_bandwidth()
+    assert 1e11 < bw < 2e13, bw
+    assert runtime.measured_matmul_flops() > 1e13
+    assert runtime.backend(torch.zeros(1, device="cuda")) == "triton"
