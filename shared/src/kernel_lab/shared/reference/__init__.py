@@ -6,11 +6,62 @@ Each function computes in `compute_dtype` (float64 by default; the CPU fallback 
 float32) and returns a tensor of that dtype. One module per primitive; add a line below.
 """
 
+from .kvcache import decode_attention, paged_gather
+from .mlp import (
+    bias_gelu,
+    bias_gelu_backward,
+    gated_mlp,
+    geglu,
+    geglu_backward,
+    gelu,
+    gelu_and_mul,
+    gelu_and_mul_backward,
+    gelu_backward,
+    silu,
+    silu_and_mul,
+    silu_and_mul_backward,
+    silu_backward,
+    swiglu,
+    swiglu_backward,
+)
 from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
+from .attention import (
+    apply_rope,
+    attention,
+    attention_backward,
+    attention_blocked,
+    attention_mask,
+    attention_varlen,
+    rope,
+)
 
 __all__ = [
+    "apply_rope",
+    "attention",
+    "attention_backward",
+    "attention_blocked",
+    "attention_mask",
+    "attention_varlen",
+    "bias_gelu",
+    "bias_gelu_backward",
+    "decode_attention",
+    "gated_mlp",
+    "geglu",
+    "geglu_backward",
+    "gelu",
+    "gelu_and_mul",
+    "gelu_and_mul_backward",
+    "gelu_backward",
     "log_softmax",
     "log_softmax_backward",
+    "paged_gather",
+    "rope",
+    "silu",
+    "silu_and_mul",
+    "silu_and_mul_backward",
+    "silu_backward",
     "softmax",
     "softmax_backward",
+    "swiglu",
+    "swiglu_backward",
 ]
