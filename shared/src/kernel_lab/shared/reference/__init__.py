@@ -6,6 +6,15 @@ Each function computes in `compute_dtype` (float64 by default; the CPU fallback 
 float32) and returns a tensor of that dtype. One module per primitive; add a line below.
 """
 
+from .attention import (
+    apply_rope,
+    attention,
+    attention_backward,
+    attention_blocked,
+    attention_mask,
+    attention_varlen,
+    rope,
+)
 from .kvcache import decode_attention, paged_gather
 from .mlp import (
     bias_gelu,
@@ -24,16 +33,17 @@ from .mlp import (
     swiglu,
     swiglu_backward,
 )
-from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
-from .attention import (
-    apply_rope,
-    attention,
-    attention_backward,
-    attention_blocked,
-    attention_mask,
-    attention_varlen,
-    rope,
+from .norms import (
+    layer_norm,
+    layer_norm_backward,
+    residual_rms_norm,
+    residual_rms_norm_backward,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_gated,
+    rms_norm_gated_backward,
 )
+from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 
 __all__ = [
     "apply_rope",
@@ -52,9 +62,17 @@ __all__ = [
     "gelu_and_mul",
     "gelu_and_mul_backward",
     "gelu_backward",
+    "layer_norm",
+    "layer_norm_backward",
     "log_softmax",
     "log_softmax_backward",
     "paged_gather",
+    "residual_rms_norm",
+    "residual_rms_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_gated",
+    "rms_norm_gated_backward",
     "rope",
     "silu",
     "silu_and_mul",

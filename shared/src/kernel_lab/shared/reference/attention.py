@@ -1,0 +1,247 @@
+"""Attention and rotary-embedding references: naive, blocked online-softmax, varlen, RoPE.
+
+Conventions shared with kernel_lab.attention (docs/correctness.md):
+
+- Layout (B, H, T, D) ("bhsd"); k and v may have fewer heads than q (GQA/MQA): query head h
+  reads key/value head h // (Hq // Hkv).
+- `causal` with Tq != Tk is aligned bottom-right (FlashAttention 2.1+): query i sees key j
+  iff j <= i + (Tk - Tq). `window=(left, right)` keeps keys with
+  i + (Tk - Tq) - left <= j <= i + (Tk - Tq) + right; a negative bound means unbounded.
+  `causal=True` caps `right` at 0.
+- A query row that sees no key (possible with causal Tq > Tk, or a window) gives output 0
+  and logsumexp -inf, never NaN.
+
+All math runs in `compute_dtype` (float64 by default) and the results stay in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+
+def attention_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Boolean (Tq, Tk) matrix, True where query i may attend key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        allowed &= j <= i + right
+    if left >= 0:
+        allowed &= j >= i - left
+    return allowed
+
+
+def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Repeat the kv heads of `t` (B, Hkv, T, D) so each query head has its own (GQA)."""
+    hq, hkv = q.shape[-3], t.shape[-3]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    return t.repeat_interleave(hq // hkv, dim=-3) if hq != hkv else t
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+):
+    """Naive materialised attention: softmax(scale * q k^T + mask) v.
+
+    q: (B, Hq, Tq, D), k/v: (B, Hkv, Tk, D) with Hq % Hkv == 0. scale defaults to 1/sqrt(D).
+    Returns out (B, Hq, Tq, D), and with `return_lse` also lse (B, Hq, Tq), the natural-log
+    logsumexp of each row of scaled scores (-inf for a row that sees no key).
+    """
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k, v = _expand_kv(q, k), _expand_kv(q, v)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # exp(s - lse) on a row with lse = -inf would be NaN; such a row has no key, so p = 0.
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe_lse.unsqueeze(-1))
+    out = torch.matmul(p, v)
+    return (out, lse) if return_lse else out
+
+
+def attention_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
+    block_n: int = 64,
+    compute_dtype: torch.dtype = torch.float64,
+):
+    """The same result as `attention`, by the online-softmax recurrence over key blocks.
+
+    This is the FlashAttention algorithm in plain PyTorch: for each block of `block_n` keys,
+    m' = max(m, rowmax(s)), l' = l * exp(m - m') + rowsum(exp(s - m')),
+    acc' = acc * exp(m - m') + exp(s - m') v; finally out = acc / l, lse = m + log(l).
+    Only a (Tq, block_n) slice of scores exists at a time.
+    """
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k, v = _expand_kv(q, k), _expand_kv(q, v)
+    tq, tk = q.shape[-2], k.shape[-2]
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=compute_dtype, device=q.device)
+    l_sum = torch.zeros_like(m)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute_dtype, device=q.device)
+    allowed = attention_mask(tq, tk, causal=causal, window=window, device=q.device)
+    for n0 in range(0, tk, block_n):
+        s = torch.matmul(q, k[..., n0 : n0 + block_n, :].transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed[:, n0 : n0 + block_n], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        # A row with no key so far keeps m = -inf; shift by 0 there so exp() stays 0, not NaN.
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        l_sum = l_sum * alpha + p.sum(dim=-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v[..., n0 : n0 + block_n, :])
+        m = m_new
+    denom = l_sum.clamp_min(torch.finfo(compute_dtype).tiny).unsqueeze(-1)
+    out = torch.where(l_sum.unsqueeze(-1) > 0, acc / denom, torch.zeros_like(acc))
+    lse = m + torch.log(l_sum)  # -inf + log(0) = -inf on rows without keys
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention` for the output gradient `grad_out` (autograd through the
+    naive reference). With GQA, dk/dv are summed over the query heads that share a kv head."""
+    q, k, v = (t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v))
+    with torch.enable_grad():
+        out = attention(q, k, v, causal=causal, scale=scale, window=window, compute_dtype=compute_dtype)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out.to(compute_dtype))
+    return dq, dk, dv
+
+
+def _check_cu_seqlens(cu: torch.Tensor, total: int, name: str) -> list[int]:
+    vals = [int(x) for x in cu.tolist()]
+    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in itertools.pairwise(vals)):
+        raise ValueError(f"{name} must start at 0, be non-decreasing and end at {total}; got {vals}")
+    return vals
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+):
+    """Attention over packed sequences: sequence b is q[cu_q[b]:cu_q[b+1]] against
+    k/v[cu_k[b]:cu_k[b+1]], each with the masks of `attention` (bottom-right per sequence).
+
+    q: (total_q, Hq, D), k/v: (total_k, Hkv, D). Returns out (total_q, Hq, D) and with
+    `return_lse` also lse (Hq, total_q) (the FlashAttention varlen layout).
+    """
+    cq = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    ck = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries but cu_seqlens_k has {len(ck)}")
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=compute_dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        o_b, lse_b = attention(
+            q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
+            v[ks].transpose(0, 1).unsqueeze(0), causal=causal, scale=scale, window=window,
+            return_lse=True, compute_dtype=compute_dtype,
+        )
+        out[qs] = o_b[0].transpose(0, 1)
+        lse[:, qs] = lse_b[0]
+    return (out, lse) if return_lse else out
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """rotate_half (HF, NeoX: halves [x1, x2] -> [-x2, x1]) or the GPT-J interleaved rotation
+    (pairs (x0, x1) -> (-x1, x0))."""
+    if interleaved:
+        x_even, x_odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x_odd, x_even), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Rotary position embedding of x (B, H, T, D): on the first R = rotary_dim dims,
+    x * cos + rotate(x) * sin (the HF `apply_rotary_pos_emb` formula); dims R..D pass through.
+
+    cos/sin: (T, R) or (B, T, R) per position (HF's rotary_emb output), or, with
+    `position_ids` (B, T), a table (max_positions, R) indexed by it. R defaults to cos's last
+    dim. `interleaved` selects the GPT-J pairwise rotation instead of rotate_half.
+    """
+    x = x.to(compute_dtype)
+    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    cos, sin = cos[..., :r].unsqueeze(-3), sin[..., :r].unsqueeze(-3)  # broadcast over heads
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + _rotate(x_rot, interleaved) * sin, x_pass), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of q (B, Hq, T, D) and k (B, Hkv, T, D) with the same cos/sin."""
+    kw = dict(position_ids=position_ids, interleaved=interleaved, rotary_dim=rotary_dim,
+              compute_dtype=compute_dtype)
+    return rope(q, cos, sin, **kw), rope(k, cos, sin, **kw)
