@@ -15,6 +15,17 @@ from .attention import (
     attention_varlen,
     rope,
 )
+from .gemm import (
+    dequantize_weight,
+    epilogue_activation,
+    epilogue_activation_backward,
+    fp8_matmul,
+    matmul,
+    matmul_backward,
+    quantized_matmul,
+    rms_norm_linear,
+    unpack_int4,
+)
 from .kvcache import decode_attention, paged_gather
 from .mlp import (
     bias_gelu,
@@ -55,6 +66,10 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_backward",
     "decode_attention",
+    "dequantize_weight",
+    "epilogue_activation",
+    "epilogue_activation_backward",
+    "fp8_matmul",
     "gated_mlp",
     "geglu",
     "geglu_backward",
@@ -66,13 +81,17 @@ __all__ = [
     "layer_norm_backward",
     "log_softmax",
     "log_softmax_backward",
+    "matmul",
+    "matmul_backward",
     "paged_gather",
+    "quantized_matmul",
     "residual_rms_norm",
     "residual_rms_norm_backward",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_linear",
     "rope",
     "silu",
     "silu_and_mul",
@@ -82,4 +101,5 @@ __all__ = [
     "softmax_backward",
     "swiglu",
     "swiglu_backward",
+    "unpack_int4",
 ]
