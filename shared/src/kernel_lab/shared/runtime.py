@@ -129,11 +129,14 @@ def measured_copy_bandwidth(index: int | None = None) -> float:
     """
     index = torch.cuda.current_device() if index is None else index
     n = 1 << 30
-    with torch.cuda.device(index):
+
+    def copy_ms() -> float:
         src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
         dst = torch.empty_like(src)
-        ms = _median_cuda_ms(lambda: dst.copy_(src), repeats=20)
-        del src, dst
+        return _median_cuda_ms(lambda: dst.copy_(src), repeats=20)
+
+    with torch.cuda.device(index):
+        ms = copy_ms()
         torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3)
 
@@ -147,11 +150,14 @@ def measured_matmul_flops(index: int | None = None, dtype: torch.dtype = torch.b
     """
     index = torch.cuda.current_device() if index is None else index
     n = 8192
-    with torch.cuda.device(index):
+
+    def matmul_ms() -> float:
         a = torch.randn(n, n, device="cuda", dtype=dtype)
         b = torch.randn(n, n, device="cuda", dtype=dtype)
-        ms = _median_cuda_ms(lambda: a @ b, repeats=10)
-        del a, b
+        return _median_cuda_ms(lambda: a @ b, repeats=10)
+
+    with torch.cuda.device(index):
+        ms = matmul_ms()
         torch.cuda.empty_cache()
     return 2 * n**3 / (ms * 1e-3)
 
@@ -180,7 +186,7 @@ def _driver_version() -> str:
         pynvml.nvmlInit()
         v = pynvml.nvmlSystemGetDriverVersion()
         return v.decode() if isinstance(v, bytes) else str(v)
-    except Exception:  # noqa: BLE001 - the driver version is informative, never fatal
+    except Exception:
         import subprocess
 
         try:

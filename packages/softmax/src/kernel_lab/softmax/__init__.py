@@ -1,0 +1,7 @@
+"""kernel_lab.softmax: Triton softmax and log-softmax, forward and backward."""
+
+from .modules import LogSoftmax, Softmax
+from .ops import log_softmax, softmax
+
+__version__ = "0.1.0"
+__all__ = ["LogSoftmax", "Softmax", "log_softmax", "softmax"]

@@ -1,0 +1,246 @@
+"""Triton kernels of softmax and log-softmax over the last dim of a (n_rows, n_cols) view.
+
+Three shapes of work, forward and backward alike:
+
+- `*_rows_kernel`: a row fits in registers (n_cols <= MAX_FUSED_COLS in ops.py). One program
+  takes BLOCK_M whole rows: one read, one write, the minimum traffic.
+- `*_looped_kernel`: a row is too long for registers. One program per row loops over it twice
+  (statistics, then output). The second pass re-reads the row, but only a few hundred rows are
+  in flight at once (a few tens of MB), so that re-read is served mostly from L2, not HBM.
+- `*_partial_kernel` + `*_split_kernel`: too few long rows to fill the GPU with one program
+  per row. Each row is cut into `n_splits` chunks: the first launch writes each chunk's
+  statistics, the second merges a row's statistics and writes its chunk's output.
+
+All math is float32 whatever the input dtype. A fully masked row (all -inf) has no finite max;
+we shift it by 0 instead of -inf so it yields softmax 0 and log-softmax -inf, never NaN.
+"""
+
+import triton
+import triton.language as tl
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _safe_shift(m):
+    """The max to subtract: 0 where the running max is still -inf (nothing finite seen yet)."""
+    return tl.where(m == NEG_INF, 0.0, m)
+
+
+@triton.jit
+def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr):
+    """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1]."""
+    m = tl.full([1], NEG_INF, tl.float32)
+    s = tl.zeros([1], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        x = tl.load(row_ptr + cols, mask=cols < end, other=NEG_INF).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        shift = _safe_shift(m_new)
+        # rescale the sum so far to the new max, then add this chunk
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def _write_normalized(x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum."""
+    shift = _safe_shift(m)
+    inv_s = tl.where(s > 0, 1.0 / s, 0.0)
+    log_s = tl.log(s)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < end
+        x = tl.load(x_row_ptr + cols, mask=mask, other=NEG_INF).to(tl.float32)
+        if LOG:
+            y = tl.where(s > 0, x - shift - log_s, NEG_INF)
+        else:
+            y = tl.exp(x - shift) * inv_s
+        tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_rows_kernel(
+    x_ptr, y_ptr, n_rows, n_cols,
+    stride_x_row, stride_y_row,
+    LOG: tl.constexpr,  # log-softmax instead of softmax
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row at once
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=NEG_INF)
+    x = x.to(tl.float32)
+    shift = _safe_shift(tl.max(x, axis=1))[:, None]
+    e = tl.exp(x - shift)
+    s = tl.sum(e, axis=1)[:, None]
+    if LOG:
+        y = tl.where(s > 0, x - shift - tl.log(s), NEG_INF)
+    else:
+        y = e * tl.where(s > 0, 1.0 / s, 0.0)
+    tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(
+    x_ptr, y_ptr, n_cols,
+    stride_x_row, stride_y_row,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per loop step
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row_ptr = x_ptr + row * stride_x_row
+    m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N)
+    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N)
+
+
+@triton.jit
+def _softmax_fwd_partial_kernel(
+    x_ptr, max_ptr, sum_ptr,  # max/sum: (n_rows, n_splits) float32
+    n_cols, stride_x_row, chunk,
+    n_splits,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_cols)
+    m, s = _chunk_max_sumexp(x_ptr + row * stride_x_row, start, end, BLOCK_N)
+    out = row * n_splits + split + tl.arange(0, 1)
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, s)
+
+
+@triton.jit
+def _softmax_fwd_split_kernel(
+    x_ptr, y_ptr, max_ptr, sum_ptr,
+    n_cols, stride_x_row, stride_y_row, chunk,
+    n_splits,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    # merge the row's per-chunk statistics: max of maxes, sums rescaled to it
+    idx = tl.arange(0, SPLITS_POW2)
+    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=NEG_INF)
+    part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0)
+    m = tl.max(part_m, axis=0)
+    s = tl.sum(part_s * tl.exp(part_m - _safe_shift(m)), axis=0)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_cols)
+    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, m, s, LOG, BLOCK_N)
+
+
+# Backward. softmax: dx = y * (dy - sum(y * dy)); log-softmax: dx = dy - exp(y) * sum(dy).
+# Both are "one row reduction, then an elementwise pass", so the three work shapes repeat.
+
+
+@triton.jit
+def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum(dy) (log-softmax) or sum(y * dy) (softmax) over [start, end), shape [1]."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < end
+        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            acc += dy
+        else:
+            acc += dy * tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=0) + tl.zeros([1], tl.float32)
+
+
+@triton.jit
+def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
+    if LOG:
+        return dy - tl.exp(y) * dot
+    else:
+        return y * (dy - dot)
+
+
+@triton.jit
+def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = cols < end
+        y = tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dx = _grad_from_dot(y, dy, dot, LOG)
+        tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_rows_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols,
+    stride_y_row, stride_dy_row, stride_dx_row,
+    LOG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    # masked lanes load 0 (not -inf): they must add nothing to the sums below
+    y = tl.load(y_ptr + rows[:, None] * stride_y_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        dot = tl.sum(dy, axis=1)[:, None]
+    else:
+        dot = tl.sum(y * dy, axis=1)[:, None]
+    dx = _grad_from_dot(y, dy, dot, LOG)
+    tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_cols,
+    stride_y_row, stride_dy_row, stride_dx_row,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y_row_ptr = y_ptr + row * stride_y_row
+    dy_row_ptr = dy_ptr + row * stride_dy_row
+    dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N)
+    _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N)
+
+
+@triton.jit
+def _softmax_bwd_partial_kernel(
+    y_ptr, dy_ptr, dot_ptr,  # dot: (n_rows, n_splits) float32
+    n_cols, stride_y_row, stride_dy_row, chunk,
+    n_splits,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_cols)
+    dot = _chunk_grad_dot(y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, start, end, LOG, BLOCK_N)
+    tl.store(dot_ptr + row * n_splits + split + tl.arange(0, 1), dot)
+
+
+@triton.jit
+def _softmax_bwd_split_kernel(
+    y_ptr, dy_ptr, dx_ptr, dot_ptr,
+    n_cols, stride_y_row, stride_dy_row, stride_dx_row, chunk,
+    n_splits,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    idx = tl.arange(0, SPLITS_POW2)
+    dot = tl.sum(tl.load(dot_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0), axis=0)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_cols)
+    _write_grad(
+        y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, dx_ptr + row * stride_dx_row,
+        start, end, dot, LOG, BLOCK_N,
+    )

@@ -1,0 +1,275 @@
+"""softmax / log_softmax: input checks, launchers, torch.library ops and autograd.
+
+Call path: `softmax(x)` checks its inputs, then
+- in eager mode calls the launcher directly (no custom-op dispatch: a custom op costs tens of
+  microseconds per call, longer than the kernel on small inputs), through `_SoftmaxFunction`
+  when a gradient is needed;
+- under torch.compile calls `torch.ops.kernel_lab.softmax_fwd`, a `triton_op` whose backward is
+  registered with `register_autograd`, so the graph has no break.
+Both paths run the same launchers, `softmax_fwd` and `softmax_bwd`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    _softmax_bwd_looped_kernel,
+    _softmax_bwd_partial_kernel,
+    _softmax_bwd_rows_kernel,
+    _softmax_bwd_split_kernel,
+    _softmax_fwd_looped_kernel,
+    _softmax_fwd_partial_kernel,
+    _softmax_fwd_rows_kernel,
+    _softmax_fwd_split_kernel,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Longest row held in registers in one pass. 16384 float32 values over 32 warps is 16 values
+# per thread; beyond that registers spill and the looped kernel (whose second read hits L2)
+# is faster. The backward holds two rows (y and dy), hence half.
+FWD_MAX_FUSED_COLS = 16384
+BWD_MAX_FUSED_COLS = 8192
+# Elements one program of the rows kernel handles: short rows are batched BLOCK_M at a time
+# so that each program still moves enough bytes to hide its launch and reduction latency.
+ROWS_TILE = 4096
+# Columns per loop step of the looped and split kernels (8 KiB of bf16 per step).
+LOOP_BLOCK_N = 4096
+# Programs per SM that the split path aims for when there are too few rows to fill the GPU.
+SPLIT_PROGRAMS_PER_SM = 4
+# The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
+INTERPRET_SM_COUNT = 4
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one launch covers an (n_rows, n_cols) problem."""
+
+    kind: str  # "rows" | "looped" | "split"
+    block_n: int
+    block_m: int = 1
+    num_warps: int = 8
+    n_splits: int = 1
+    chunk: int = 0
+
+
+def _plan(n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device) -> _Plan:
+    if n_cols <= max_fused_cols:
+        block_n = triton.next_power_of_2(n_cols)
+        block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
+        # about 16 elements per thread, 4 to 32 warps
+        num_warps = min(32, max(4, block_m * block_n // 512))
+        return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
+    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, LOOP_BLOCK_N))
+    if n_splits <= 1:
+        return _Plan("looped", block_n=LOOP_BLOCK_N)
+    chunk = triton.cdiv(triton.cdiv(n_cols, n_splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
+    return _Plan("split", block_n=LOOP_BLOCK_N, n_splits=triton.cdiv(n_cols, chunk), chunk=chunk)
+
+
+def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with `dim` moved last, viewed as (rows, cols) with unit column stride.
+
+    A view whenever the layout allows one (e.g. padded rows), a copy otherwise.
+    """
+    if t.ndim == 0:
+        return t.reshape(1, 1)
+    t = t.movedim(dim, -1)
+    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `_as_rows` for a freshly allocated contiguous result."""
+    if like.ndim == 0:
+        return rows.reshape(())
+    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+
+
+def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
+
+    Assumes checked inputs. Output: same shape and dtype as x.
+    """
+    if runtime.backend(x) == "reference":
+        fn = reference.log_softmax if log else reference.softmax
+        return fn(x, dim, compute_dtype=torch.float32).to(x.dtype)
+    x2 = _as_rows(x, dim)
+    n_rows, n_cols = x2.shape
+    y2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if y2.numel() == 0:
+        return _from_rows(y2, x, dim)
+    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device)
+    if plan.kind == "rows":
+        wrap_triton(_softmax_fwd_rows_kernel)[(triton.cdiv(n_rows, plan.block_m),)](
+            x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "looped":
+        wrap_triton(_softmax_fwd_looped_kernel)[(n_rows,)](
+            x2, y2, n_cols, x2.stride(0), y2.stride(0),
+            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    else:
+        part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
+        part_sum = torch.empty_like(part_max)
+        grid = (n_rows, plan.n_splits)
+        wrap_triton(_softmax_fwd_partial_kernel)[grid](
+            x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, plan.n_splits,
+            BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+        wrap_triton(_softmax_fwd_split_kernel)[grid](
+            x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            num_warps=plan.num_warps,
+        )
+    return _from_rows(y2, x, dim)
+
+
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """Launcher: dx from the forward output `y` and the incoming gradient `dy` (same shape)."""
+    if runtime.backend(y) == "reference":
+        fn = reference.log_softmax_backward if log else reference.softmax_backward
+        return fn(y, dy, dim, compute_dtype=torch.float32).to(dy.dtype)
+    y2, dy2 = _as_rows(y, dim), _as_rows(dy, dim)
+    n_rows, n_cols = y2.shape
+    dx2 = torch.empty((n_rows, n_cols), dtype=dy.dtype, device=dy.device)
+    if dx2.numel() == 0:
+        return _from_rows(dx2, dy, dim)
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device)
+    if plan.kind == "rows":
+        wrap_triton(_softmax_bwd_rows_kernel)[(triton.cdiv(n_rows, plan.block_m),)](
+            y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "looped":
+        wrap_triton(_softmax_bwd_looped_kernel)[(n_rows,)](
+            y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    else:
+        part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
+        grid = (n_rows, plan.n_splits)
+        wrap_triton(_softmax_bwd_partial_kernel)[grid](
+            y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, plan.n_splits,
+            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+        wrap_triton(_softmax_bwd_split_kernel)[grid](
+            y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            plan.chunk, plan.n_splits,
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            num_warps=plan.num_warps,
+        )
+    return _from_rows(dx2, dy, dim)
+
+
+# torch.library registration: what torch.compile sees.
+
+
+@triton_op("kernel_lab::softmax_fwd", mutates_args=())
+def _softmax_fwd_op(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    return softmax_fwd(x, dim, log)
+
+
+@triton_op("kernel_lab::softmax_bwd", mutates_args=())
+def _softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    return softmax_bwd(y, dy, dim, log)
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.dim, ctx.log = inputs
+    ctx.save_for_backward(output)
+
+
+def _op_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.kernel_lab.softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
+
+
+_softmax_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    """The eager-mode autograd path: the same launchers without custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        y = softmax_fwd(x, dim, log)
+        ctx.dim, ctx.log = dim, log
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
+
+
+def _check(x: torch.Tensor, dim: int, backend: str | None, name: str) -> int:
+    """Validate the public op's arguments; return `dim` normalised to [0, ndim)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: x.dtype must be float16, bfloat16 or float32, got {x.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")
+    ndim = max(x.ndim, 1)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}: dim {dim} is out of range for a tensor of {x.ndim} dims")
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not runtime.uses_triton(x):
+        raise ValueError(
+            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); x is on {x.device} and would run the PyTorch reference"
+        )
+    return dim % ndim
+
+
+def _dispatch(x: torch.Tensor, dim: int, log: bool, backend: str | None) -> torch.Tensor:
+    if backend == "reference":
+        fn = reference.log_softmax if log else reference.softmax
+        return fn(x, dim, compute_dtype=torch.float32).to(x.dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.softmax_fwd(x, dim, log)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SoftmaxFunction.apply(x, dim, log)
+    return softmax_fwd(x, dim, log)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, backend: str | None = None) -> torch.Tensor:
+    """Softmax along `dim`: y = exp(x - max(x)) / sum(exp(x - max(x))).
+
+    x: any shape, float16 / bfloat16 / float32, any strides (a row-strided view with unit
+    stride along `dim` is read in place; other layouts are copied once). Returns a tensor of
+    x's shape and dtype; statistics are computed in float32. Differentiable.
+
+    Differs from torch.softmax on one point: a row that is entirely -inf gives 0, not NaN.
+
+    backend: None picks by device (`kernel_lab.shared.runtime.backend`); "triton" insists on
+    the Triton kernel (ValueError if it cannot run: a CPU tensor without TRITON_INTERPRET=1);
+    "reference" runs the PyTorch reference.
+
+    Raises TypeError for non-float dtypes or a non-int dim, ValueError for dim out of range.
+    """
+    dim = _check(x, dim, backend, "softmax")
+    return _dispatch(x, dim, False, backend)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, *, backend: str | None = None) -> torch.Tensor:
+    """Log-softmax along `dim`: y = x - max(x) - log(sum(exp(x - max(x)))).
+
+    Same inputs, dtypes, layouts, errors and `backend` choice as `softmax`. A row that is
+    entirely -inf gives -inf everywhere (torch.log_softmax gives NaN).
+    """
+    dim = _check(x, dim, backend, "log_softmax")
+    return _dispatch(x, dim, True, backend)
