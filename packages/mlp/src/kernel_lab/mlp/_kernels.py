@@ -1,0 +1,185 @@
+"""Triton kernels of the MLP activations over (n_rows, n_cols) views with unit column stride.
+
+Every kernel here is element-wise (plus one column reduction for the bias gradient), so each
+is bound by memory traffic: the only goal is to read every input once and write every output
+once, in wide vector accesses. One program covers a BLOCK_M x BLOCK_N tile; row offsets are
+64-bit so tensors beyond 2**31 elements cannot wrap. Rows have their own stride per tensor,
+which is how padded rows and the two halves of a packed [gate | up] tensor are read in place.
+
+Math is float32 whatever the storage dtype, with a single rounding on the store.
+
+ACTIVATION selects the gate's activation at compile time (the other branches are removed):
+SILU, GELU (exact erf form) or GELU_TANH (the tanh approximation).
+"""
+
+import triton
+import triton.language as tl
+
+SILU: tl.constexpr = tl.constexpr(0)
+GELU: tl.constexpr = tl.constexpr(1)
+GELU_TANH: tl.constexpr = tl.constexpr(2)
+
+RSQRT_2: tl.constexpr = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+RSQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi), the normal density's scale
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+TANH_COEF: tl.constexpr = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    """act(x) in float32."""
+    if ACTIVATION == SILU:
+        return x * tl.sigmoid(x)
+    elif ACTIVATION == GELU:
+        return 0.5 * x * (1.0 + tl.erf(x * RSQRT_2))
+    else:
+        # 0.5 * (1 + tanh(z)) == sigmoid(2 z): no tanh needed, and no cancellation near z = 0
+        z = SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)
+        return x * tl.sigmoid(2.0 * z)
+
+
+@triton.jit
+def _activation_and_grad(x, ACTIVATION: tl.constexpr):
+    """(act(x), act'(x)) in float32, sharing the transcendental between the two."""
+    if ACTIVATION == SILU:
+        s = tl.sigmoid(x)
+        act = x * s
+        grad = s + act * (1.0 - s)
+    elif ACTIVATION == GELU:
+        cdf = 0.5 * (1.0 + tl.erf(x * RSQRT_2))
+        act = x * cdf
+        grad = cdf + x * RSQRT_2PI * tl.exp(-0.5 * x * x)
+    else:
+        z = SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)
+        s = tl.sigmoid(2.0 * z)  # = 0.5 * (1 + tanh(z))
+        act = x * s
+        # d/dx [x * sigmoid(2z)] = s + x * 2 s (1 - s) * dz/dx
+        grad = s + 2.0 * act * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * x * x)
+    return act, grad
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row indices (int64), column indices and the in-bounds mask of this program's tile."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, mask
+
+
+@triton.jit
+def _gated_fwd_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_gate,  # row strides in elements, one per tensor
+    stride_up,
+    stride_out,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out = act(gate) * up."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    g = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_up + cols[None, :], mask=mask).to(tl.float32)
+    y = _activation(g, ACTIVATION) * u
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd_kernel(
+    gate_ptr,
+    up_ptr,
+    dy_ptr,
+    dgate_ptr,
+    dup_ptr,
+    M,
+    N,
+    stride_gate,  # row strides in elements, one per tensor
+    stride_up,
+    stride_dy,
+    stride_dgate,
+    stride_dup,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dgate = dy * up * act'(gate), dup = dy * act(gate).
+
+    The activation is recomputed from gate rather than saved by the forward: one fewer
+    tensor to keep alive and no extra traffic (gate is read here anyway).
+    """
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    g = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_up + cols[None, :], mask=mask).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask).to(tl.float32)
+    act, grad = _activation_and_grad(g, ACTIVATION)
+    dg = dy * u * grad
+    du = dy * act
+    tl.store(dgate_ptr + rows[:, None] * stride_dgate + cols[None, :], dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows[:, None] * stride_dup + cols[None, :], du.to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    x_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_x,  # row strides in elements, one per tensor
+    stride_out,
+    ACTIVATION: tl.constexpr,  # GELU or GELU_TANH
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out = gelu(x + bias); bias is one row, broadcast over the BLOCK_M rows of the tile."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    b = tl.load(bias_ptr + cols, mask=cols < N).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask).to(tl.float32)
+    y = _activation(x + b[None, :], ACTIVATION)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    x_ptr,
+    bias_ptr,
+    dy_ptr,
+    dx_ptr,
+    dbias_part_ptr,
+    M,
+    N,
+    stride_x,  # row strides in elements, one per tensor
+    stride_dy,
+    stride_dx,
+    ROWS_PER_PROGRAM,  # rows of one program's chunk, a multiple of BLOCK_M
+    ACTIVATION: tl.constexpr,  # GELU or GELU_TANH
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dx = dy * gelu'(x + bias) and this chunk's column sums of dx.
+
+    Program (i, j) walks rows [i * ROWS_PER_PROGRAM, (i + 1) * ROWS_PER_PROGRAM) of column
+    block j, keeping the running column sum in float32 registers, and writes it to row i of
+    the (n_chunks, N) float32 partials; the launcher adds the few partial rows. A fixed chunk
+    order makes dbias deterministic (no atomics).
+    """
+    row_start = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.load(bias_ptr + cols, mask=col_mask).to(tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for off in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        rows = row_start + off + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask).to(tl.float32)
+        _, grad = _activation_and_grad(x + b[None, :], ACTIVATION)
+        dx = tl.where(mask, dy * grad, 0.0)  # masked lanes hold garbage: keep them out of the sum
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(dx, axis=0)
+    tl.store(dbias_part_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=col_mask)

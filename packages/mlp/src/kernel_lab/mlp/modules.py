@@ -1,0 +1,156 @@
+"""nn.Module drop-ins for gated MLP blocks, and `patch_hf` to swap them into HF models.
+
+The modules hold plain nn.Linear projections with the Hugging Face attribute names
+(gate_proj, up_proj, down_proj), so state dicts load unchanged; only the activation between
+the projections is the fused kernel. With `fuse_gate_up=True` the gate and up projections are
+one (2 * intermediate, hidden) nn.Linear `gate_up_proj` whose output rows are [gate | up]: one
+GEMM instead of two, and the packed activation (`silu_and_mul` / `gelu_and_mul`) reads its
+output in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import geglu, gelu_and_mul, silu_and_mul, swiglu
+
+__all__ = ["GatedMLP", "GeGLUMLP", "SwiGLUMLP", "patch_hf"]
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) with the activation fused in one kernel.
+
+    Use `SwiGLUMLP` (act = silu) or `GeGLUMLP` (act = gelu); this base holds the shared code.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        activation: str = "silu",
+        approximate: str = "none",
+        fuse_gate_up: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ("silu", "gelu"):
+            raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        for arg, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation, self.approximate, self.fuse_gate_up = activation, approximate, fuse_gate_up
+        kw = {"device": device, "dtype": dtype}
+        if fuse_gate_up:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden_size) -> (..., hidden_size)."""
+        if self.fuse_gate_up:
+            h = self.gate_up_proj(x)
+            h = silu_and_mul(h) if self.activation == "silu" else gelu_and_mul(h, self.approximate)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+            h = swiglu(g, u) if self.activation == "silu" else geglu(g, u, self.approximate)
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        act = self.activation if self.approximate == "none" else f"{self.activation}-{self.approximate}"
+        return f"activation={act}, fuse_gate_up={self.fuse_gate_up}"
+
+    @classmethod
+    def from_projections(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, **kwargs) -> GatedMLP:
+        """A module that shares the given nn.Linear projections (same parameters, no copy)."""
+        with torch.device("meta"):  # build empty, then adopt the caller's projections
+            mlp = cls(gate_proj.in_features, gate_proj.out_features, gate_proj.bias is not None, **kwargs)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
+        return mlp
+
+
+class SwiGLUMLP(GatedMLP):
+    """The Llama / Qwen2 / Mistral MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+
+    hidden_size, intermediate_size: the projections' sizes; bias: biases on all three
+    projections; fuse_gate_up: one gate_up_proj instead of gate_proj and up_proj.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, **kwargs) -> None:
+        super().__init__(hidden_size, intermediate_size, bias, activation="silu", **kwargs)
+
+
+class GeGLUMLP(GatedMLP):
+    """The Gemma MLP: down_proj(gelu(gate_proj(x)) * up_proj(x)).
+
+    approximate: "none" (erf GELU) or "tanh" (Gemma's `gelu_pytorch_tanh`); other arguments
+    as `SwiGLUMLP`.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, approximate: str = "none", **kwargs
+    ) -> None:
+        super().__init__(hidden_size, intermediate_size, bias, activation="gelu", approximate=approximate, **kwargs)
+
+
+def _identify_activation(act_fn) -> tuple[str, str] | None:
+    """(activation, approximate) that `act_fn` computes, found by evaluating it, or None.
+
+    HF names the same function many ways (SiLU, SiLUActivation, GELUActivation,
+    PytorchGELUTanh, GELUTanh, NewGELUActivation, ...); its values are unambiguous.
+    """
+    probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = act_fn(probe)
+    except Exception:  # an activation we cannot evaluate is one we do not replace
+        return None
+    candidates = {
+        ("silu", "none"): F.silu(probe),
+        ("gelu", "none"): F.gelu(probe),
+        ("gelu", "tanh"): F.gelu(probe, approximate="tanh"),
+    }
+    for key, want in candidates.items():
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6):
+            return key
+    return None
+
+
+def patch_hf(model: nn.Module) -> int:
+    """Replace, in place, every gated MLP of a Hugging Face model by `SwiGLUMLP` / `GeGLUMLP`.
+
+    A module is replaced when it has nn.Linear `gate_proj`, `up_proj` and `down_proj` and an
+    `act_fn` that computes SiLU (Llama, Qwen2, Mistral) or GELU, exact or tanh (Gemma). The new
+    module adopts the same nn.Linear objects, so weights, dtype, device and parameter identity
+    (optimizer state) are kept. Returns the number of modules replaced.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_hf: model must be an nn.Module, got {type(model).__name__}")
+    targets = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, GatedMLP):
+                continue
+            projections = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if not all(isinstance(p, nn.Linear) for p in projections) or not hasattr(child, "act_fn"):
+                continue
+            kind = _identify_activation(child.act_fn)
+            if kind is not None:
+                targets.append((parent, name, projections, kind))
+    for parent, name, (gate, up, down), (activation, approximate) in targets:
+        if activation == "silu":
+            new = SwiGLUMLP.from_projections(gate, up, down)
+        else:
+            new = GeGLUMLP.from_projections(gate, up, down, approximate=approximate)
+        new.train(parent.training)
+        setattr(parent, name, new)
+    return len(targets)

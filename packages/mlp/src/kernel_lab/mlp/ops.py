@@ -1,0 +1,480 @@
+"""MLP activations: input checks, launchers, torch.library ops and autograd.
+
+Public ops: `bias_gelu`, `swiglu`, `geglu`, `silu_and_mul`, `gelu_and_mul`. Call path of each:
+checks, then
+- in eager mode the launchers directly (no custom-op dispatch: a custom op costs tens of
+  microseconds per call, longer than the kernel on small inputs), through an
+  autograd.Function when a gradient is needed;
+- under torch.compile `torch.ops.kernel_lab.mlp_*`, `triton_op`s whose backward is registered
+  with `register_autograd`, so the graph has no break.
+Both paths run the same launchers: `gated_fwd` / `gated_bwd` (swiglu, geglu and the packed
+forms) and `bias_gelu_fwd` / `bias_gelu_bwd`.
+
+Activation names used throughout: "silu", "gelu" (exact, erf) and "gelu_tanh".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    GELU,
+    GELU_TANH,
+    SILU,
+    _bias_gelu_bwd_kernel,
+    _bias_gelu_fwd_kernel,
+    _gated_bwd_kernel,
+    _gated_fwd_kernel,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = {"silu": SILU.value, "gelu": GELU.value, "gelu_tanh": GELU_TANH.value}
+
+# Elements per program tile. 8192 elements over 8 warps is 32 per thread per tensor: several
+# 16-byte loads in flight per thread, enough to cover HBM latency without spilling (the
+# backward holds three float32 tiles).
+TILE_ELEMENTS = 8192
+# Widest column block: 1024 bf16 columns are 2 KiB per row, long enough for full 128-byte
+# transactions; wider tiles only lengthen the masked tail of non-power-of-two widths.
+MAX_BLOCK_N = 1024
+NUM_WARPS = 8
+# bias_gelu backward: programs per SM the column-sum split aims for. Each program streams a
+# chunk of rows, so a few resident programs per SM keep enough loads in flight.
+BIAS_GRAD_PROGRAMS_PER_SM = 4
+# The interpreter has no SMs; a small stand-in still exercises several row chunks on the CPU.
+INTERPRET_SM_COUNT = 2
+
+
+def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
+    block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
+    return block_m, block_n
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as (rows, cols) with unit column stride: a view whenever the layout allows
+    one (padded rows, one half of a packed tensor), a copy otherwise."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        t = t.contiguous()
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a packed (..., 2 * d) tensor, as views."""
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+def _act_name(activation: str) -> str:
+    return "silu" if activation == "silu" else "gelu"
+
+
+def _approx(activation: str) -> str:
+    return "tanh" if activation == "gelu_tanh" else "none"
+
+
+def _reference_gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The shared reference in float32, cast back: the CPU fallback (differentiable by torch)."""
+    if activation == "silu":
+        return reference.swiglu(gate, up, compute_dtype=torch.float32).to(gate.dtype)
+    return reference.geglu(gate, up, _approx(activation), compute_dtype=torch.float32).to(gate.dtype)
+
+
+# Launchers. They assume checked inputs (see the public ops below).
+
+
+def _launch_gated_fwd(g2: torch.Tensor, u2: torch.Tensor, out2: torch.Tensor, activation: str) -> None:
+    n_rows, n_cols = out2.shape
+    if out2.numel() == 0:
+        return
+    block_m, block_n = _blocks(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    wrap_triton(_gated_fwd_kernel)[grid](
+        g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _launch_gated_bwd(
+    g2: torch.Tensor,
+    u2: torch.Tensor,
+    dy2: torch.Tensor,
+    dg2: torch.Tensor,
+    du2: torch.Tensor,
+    activation: str,
+) -> None:
+    n_rows, n_cols = dy2.shape
+    if dy2.numel() == 0:
+        return
+    block_m, block_n = _blocks(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    wrap_triton(_gated_bwd_kernel)[grid](
+        g2, u2, dy2, dg2, du2, n_rows, n_cols,
+        g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """Launcher: act(gate) * up for same-shape gate and up (..., d); output contiguous."""
+    if runtime.backend(gate) == "reference":
+        return _reference_gated_fwd(gate, up, activation)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        _launch_gated_fwd(_as_rows(gate), _as_rows(up), out.view(-1, out.shape[-1]), activation)
+    return out
+
+
+def gated_bwd(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: (dgate, dup) of act(gate) * up given dy, all of one shape."""
+    if runtime.backend(gate) == "reference":
+        if activation == "silu":
+            dg, du = reference.swiglu_backward(gate, up, dy, compute_dtype=torch.float32)
+        else:
+            dg, du = reference.geglu_backward(gate, up, dy, _approx(activation), compute_dtype=torch.float32)
+        return dg.to(gate.dtype), du.to(up.dtype)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if dgate.numel():
+        n = gate.shape[-1]
+        _launch_gated_bwd(_as_rows(gate), _as_rows(up), _as_rows(dy), dgate.view(-1, n), dup.view(-1, n), activation)
+    return dgate, dup
+
+
+def gated_packed_fwd(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Launcher: act(x[..., :d]) * x[..., d:] for x of shape (..., 2 * d), read in place."""
+    return gated_fwd(*_split(x), activation)
+
+
+def gated_packed_bwd(x: torch.Tensor, dy: torch.Tensor, activation: str) -> torch.Tensor:
+    """Launcher: dx (..., 2 * d) = [dgate | dup], both halves written into one buffer."""
+    if runtime.backend(x) == "reference":
+        return torch.cat(gated_bwd(*_split(x), dy, activation), dim=-1)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel():
+        gate, up = _split(x)
+        dgate, dup = _split(dx.view(-1, x.shape[-1]))
+        _launch_gated_bwd(_as_rows(gate), _as_rows(up), _as_rows(dy), dgate, dup, activation)
+    return dx
+
+
+def _launch_bias_gelu_fwd(x2: torch.Tensor, bias: torch.Tensor, out2: torch.Tensor, activation: str) -> None:
+    n_rows, n_cols = out2.shape
+    if out2.numel() == 0:
+        return
+    block_m, block_n = _blocks(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    wrap_triton(_bias_gelu_fwd_kernel)[grid](
+        x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _launch_bias_gelu_bwd(
+    x2: torch.Tensor, bias: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """Writes dx2 and returns dbias (bias.dtype), the float32 column sums of dx."""
+    n_rows, n_cols = dx2.shape
+    if dx2.numel() == 0:
+        return torch.zeros_like(bias)
+    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
+    # half the forward's tile per loop step: the float32 column sum stays live across the loop
+    block_m = max(1, min(TILE_ELEMENTS // 2 // block_n, triton.next_power_of_2(n_rows)))
+    col_blocks = triton.cdiv(n_cols, block_n)
+    device = dx2.device
+    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    chunks = triton.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count, col_blocks)
+    chunks = max(1, min(chunks, triton.cdiv(n_rows, block_m)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, chunks), block_m) * block_m
+    chunks = triton.cdiv(n_rows, rows_per_program)
+    partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=device)
+    wrap_triton(_bias_gelu_bwd_kernel)[(chunks, col_blocks)](
+        x2, bias, dy2, dx2, partial, n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0),
+        rows_per_program,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return partial.sum(0).to(bias.dtype)
+
+
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
+    """Launcher: gelu(x + bias), x (..., N), bias (N,); activation "gelu" or "gelu_tanh"."""
+    if runtime.backend(x) == "reference":
+        return reference.bias_gelu(x, bias, _approx(activation), compute_dtype=torch.float32).to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch_bias_gelu_fwd(_as_rows(x), bias, out.view(-1, x.shape[-1]), activation)
+    return out
+
+
+def bias_gelu_bwd(
+    x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: (dx, dbias) of gelu(x + bias) given dy; dbias sums dx over all rows in float32."""
+    if runtime.backend(x) == "reference":
+        dx, db = reference.bias_gelu_backward(x, bias, dy, _approx(activation), compute_dtype=torch.float32)
+        return dx.to(x.dtype), db.to(bias.dtype)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx, torch.zeros_like(bias)
+    n = x.shape[-1]
+    return dx, _launch_bias_gelu_bwd(_as_rows(x), bias, _as_rows(dy), dx.view(-1, n), activation)
+
+
+# torch.library registration: what torch.compile sees.
+
+
+@triton_op("kernel_lab::mlp_gated_fwd", mutates_args=())
+def _gated_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_fwd(gate, up, activation)
+
+
+@triton_op("kernel_lab::mlp_gated_bwd", mutates_args=())
+def _gated_bwd_op(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gated_bwd(gate, up, dy, activation)
+
+
+@triton_op("kernel_lab::mlp_gated_packed_fwd", mutates_args=())
+def _gated_packed_fwd_op(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_packed_fwd(x, activation)
+
+
+@triton_op("kernel_lab::mlp_gated_packed_bwd", mutates_args=())
+def _gated_packed_bwd_op(x: torch.Tensor, dy: torch.Tensor, activation: str) -> torch.Tensor:
+    return gated_packed_bwd(x, dy, activation)
+
+
+@triton_op("kernel_lab::mlp_bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd_op(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
+    return bias_gelu_fwd(x, bias, activation)
+
+
+@triton_op("kernel_lab::mlp_bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd_op(
+    x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return bias_gelu_bwd(x, bias, dy, activation)
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, ctx.activation = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _gated_op_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.kernel_lab.mlp_gated_bwd(gate, up, dy, ctx.activation)
+    return dgate, dup, None
+
+
+def _gated_packed_op_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return torch.ops.kernel_lab.mlp_gated_packed_bwd(x, dy, ctx.activation), None
+
+
+def _bias_gelu_op_backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = torch.ops.kernel_lab.mlp_bias_gelu_bwd(x, bias, dy, ctx.activation)
+    return dx, dbias, None
+
+
+_gated_fwd_op.register_autograd(_gated_op_backward, setup_context=_save_inputs)
+_gated_packed_fwd_op.register_autograd(_gated_packed_op_backward, setup_context=_save_inputs)
+_bias_gelu_fwd_op.register_autograd(_bias_gelu_op_backward, setup_context=_save_inputs)
+
+
+# Eager autograd: the same launchers without custom-op dispatch.
+
+
+class _GatedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(gate, up)
+        return gated_fwd(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return *gated_bwd(gate, up, dy, ctx.activation), None
+
+
+class _GatedPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(x)
+        return gated_packed_fwd(x, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return gated_packed_bwd(x, dy, ctx.activation), None
+
+
+class _BiasGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(x, bias)
+        return bias_gelu_fwd(x, bias, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        return *bias_gelu_bwd(x, bias, dy, ctx.activation), None
+
+
+# Checks and public ops.
+
+
+def _check_tensor(name: str, arg: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: {arg}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.ndim == 0:
+        raise ValueError(f"{name}: {arg} must have at least 1 dim (..., N), got a 0-dim tensor")
+
+
+def _check_like(name: str, arg: str, t: torch.Tensor, ref_arg: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name}: {arg}.dtype {t.dtype} must match {ref_arg}.dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name}: {arg} is on {t.device} but {ref_arg} is on {ref.device}; expected one device")
+
+
+def _check_backend(name: str, backend: str | None, x: torch.Tensor) -> None:
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not runtime.uses_triton(x):
+        raise ValueError(
+            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); the input is on {x.device} and would run the PyTorch reference"
+        )
+
+
+def _check_approximate(name: str, approximate: str) -> str:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return "gelu_tanh" if approximate == "tanh" else "gelu"
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _gated(name: str, gate, up, activation: str, backend: str | None) -> torch.Tensor:
+    _check_tensor(name, "gate", gate)
+    _check_tensor(name, "up", up)
+    _check_like(name, "up", up, "gate", gate)
+    if gate.shape != up.shape:
+        raise ValueError(f"{name}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    _check_backend(name, backend, gate)
+    if backend == "reference":
+        return _reference_gated_fwd(gate, up, activation)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.mlp_gated_fwd(gate, up, activation)
+    if _needs_grad(gate, up):
+        return _GatedFunction.apply(gate, up, activation)
+    return gated_fwd(gate, up, activation)
+
+
+def _gated_packed(name: str, x, activation: str, backend: str | None) -> torch.Tensor:
+    _check_tensor(name, "x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{name}: x must have an even last dim (..., 2 * d), got shape {tuple(x.shape)}")
+    _check_backend(name, backend, x)
+    if backend == "reference":
+        return _reference_gated_fwd(*_split(x), activation)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.mlp_gated_packed_fwd(x, activation)
+    if _needs_grad(x):
+        return _GatedPackedFunction.apply(x, activation)
+    return gated_packed_fwd(x, activation)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """SwiGLU: y = silu(gate) * up = gate * sigmoid(gate) * up, element-wise.
+
+    gate, up: one shape (..., d), one dtype (float16, bfloat16, float32), one device. Any
+    leading shape and width; rows may be strided (unit stride along the last dim is read in
+    place, other layouts are copied once). Returns a contiguous tensor of that shape and dtype,
+    computed in float32 and rounded once (torch's `F.silu(gate) * up` rounds twice).
+    Differentiable w.r.t. gate and up.
+
+    backend: None picks by device (`kernel_lab.shared.runtime.backend`); "triton" insists on
+    the Triton kernel (ValueError if it cannot run: a CPU tensor without TRITON_INTERPRET=1);
+    "reference" runs the PyTorch reference in float32.
+
+    Raises TypeError for a non-tensor or an unsupported / mismatched dtype, ValueError for
+    mismatched shapes or devices.
+    """
+    return _gated("swiglu", gate, up, "silu", backend)
+
+
+def geglu(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "none", *, backend: str | None = None
+) -> torch.Tensor:
+    """GeGLU: y = gelu(gate) * up, exact (erf) GELU or approximate="tanh" (as F.gelu).
+
+    Inputs, layouts, dtypes, errors and `backend` as `swiglu`; ValueError for an unknown
+    `approximate`.
+    """
+    return _gated("geglu", gate, up, _check_approximate("geglu", approximate), backend)
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Packed SwiGLU: y = silu(x[..., :d]) * x[..., d:] for x of shape (..., 2 * d).
+
+    The layout of vLLM's `silu_and_mul` and of a fused gate_up projection's output. Both
+    halves are read in place (no split copies); the gradient is one packed (..., 2 * d) tensor.
+    Returns (..., d). Dtypes, errors and `backend` as `swiglu`; ValueError for an odd last dim.
+    """
+    return _gated_packed("silu_and_mul", x, "silu", backend)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none", *, backend: str | None = None) -> torch.Tensor:
+    """Packed GeGLU: y = gelu(x[..., :d]) * x[..., d:] for x of shape (..., 2 * d).
+
+    As `silu_and_mul` with the GELU of `geglu` (approximate "none" or "tanh").
+    """
+    return _gated_packed("gelu_and_mul", x, _check_approximate("gelu_and_mul", approximate), backend)
+
+
+def bias_gelu(
+    x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", *, backend: str | None = None
+) -> torch.Tensor:
+    """Fused bias + GELU: y = gelu(x + bias), one read of x and one write of y.
+
+    x: (..., N); bias: (N,), same dtype (float16, bfloat16, float32) and device. The sum and
+    the GELU are computed in float32 and rounded once (torch's `F.gelu(x + bias)` rounds the
+    sum first). approximate: "none" (erf) or "tanh", as F.gelu. Differentiable w.r.t. x and
+    bias (the bias gradient is the float32 sum of dx over all rows, deterministic).
+
+    `backend` as `swiglu`. Raises TypeError for non-tensors or unsupported / mismatched dtypes,
+    ValueError for a bias that is not (N,), mismatched devices or an unknown `approximate`.
+    """
+    name = "bias_gelu"
+    _check_tensor(name, "x", x)
+    _check_tensor(name, "bias", bias)
+    _check_like(name, "bias", bias, "x", x)
+    if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: bias must have shape ({x.shape[-1]},) to match x.shape[-1], got {tuple(bias.shape)}")
+    activation = _check_approximate(name, approximate)
+    _check_backend(name, backend, x)
+    if backend == "reference":
+        return reference.bias_gelu(x, bias, approximate, compute_dtype=torch.float32).to(x.dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.mlp_bias_gelu_fwd(x, bias, activation)
+    if _needs_grad(x, bias):
+        return _BiasGeluFunction.apply(x, bias, activation)
+    return bias_gelu_fwd(x, bias, activation)

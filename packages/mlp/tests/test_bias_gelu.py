@@ -1,0 +1,97 @@
+"""bias_gelu: forward and backward (dx and the row-reduced dbias) against the references.
+
+Baseline of the tolerance rule: PyTorch eager F.gelu(x + bias) in the same dtype, gradients by
+autograd (docs/correctness.md).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_lab import mlp
+from kernel_lab.mlp import ops
+from kernel_lab.shared import reference
+from kernel_lab.shared.testing import assert_close_to_reference, poisoned, randn, strided_rows
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+APPROX = ["none", "tanh"]
+
+
+def _check(x, bias, approximate, seed):
+    """Forward and backward of the public op against reference and eager baseline."""
+    dy = randn(*x.shape, dtype=x.dtype, device=x.device, seed=seed + 5)
+    xk, bk = x.detach().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    y = mlp.bias_gelu(xk, bk, approximate)
+    dx, db = torch.autograd.grad(y, (xk, bk), dy)
+    xb, bb = x.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    base = F.gelu(xb + bb, approximate=approximate)
+    base_dx, base_db = torch.autograd.grad(base, (xb, bb), dy)
+    x, bias = x.detach(), bias.detach()
+    assert y.shape == x.shape and y.dtype == x.dtype and db.shape == bias.shape and db.dtype == bias.dtype
+    assert_close_to_reference(y, reference.bias_gelu(x, bias, approximate), base, name="y")
+    ref_dx, ref_db = reference.bias_gelu_backward(x, bias, dy, approximate)
+    assert_close_to_reference(dx, ref_dx, base_dx, name="dx")
+    assert_close_to_reference(db, ref_db, base_db, name="dbias")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize(
+    "shape",
+    # odd sizes; two column blocks with a tail; rows spanning several loop steps of a chunk
+    [(3, 5, 33), (37, 1100), (300, 24)],
+    ids=["odd", "two-col-blocks", "many-rows"],
+)
+def test_bias_gelu_forward_backward_match_reference(kernel_device, seed, dtype, approximate, shape):
+    x = randn(*shape, dtype=dtype, device=kernel_device, seed=seed, scale=2.0)
+    bias = randn(shape[-1], dtype=dtype, device=kernel_device, seed=seed + 1)
+    _check(x, bias, approximate, seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("approximate", APPROX)
+def test_bias_gelu_strided_rows_match_reference(kernel_device, seed, approximate):
+    x = strided_rows(randn(23, 70, device=kernel_device, seed=seed, scale=2.0), pad=6)
+    bias = randn(70, device=kernel_device, seed=seed + 1)
+    _check(x, bias, approximate, seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("approximate", APPROX)
+def test_bias_gelu_kernels_write_every_element_of_poisoned_outputs(kernel_device, seed, approximate):
+    """The launchers fill NaN-poisoned buffers completely (masked tails, row tails)."""
+    m, n = 21, 1030  # neither a multiple of BLOCK_M nor of BLOCK_N
+    activation = "gelu_tanh" if approximate == "tanh" else "gelu"
+    x = randn(m, n, device=kernel_device, seed=seed, scale=2.0)
+    bias = randn(n, device=kernel_device, seed=seed + 1)
+    dy = randn(m, n, device=kernel_device, seed=seed + 2)
+    out = poisoned(m, n, dtype=torch.float32, device=kernel_device)
+    ops._launch_bias_gelu_fwd(x, bias, out, activation)
+    base = F.gelu(x + bias, approximate=approximate)
+    assert_close_to_reference(out, reference.bias_gelu(x, bias, approximate), base, name="y")
+    dx = poisoned(m, n, dtype=torch.float32, device=kernel_device)
+    db = ops._launch_bias_gelu_bwd(x, bias, dy, dx, activation)
+    ref_dx, ref_db = reference.bias_gelu_backward(x, bias, dy, approximate)
+    assert_close_to_reference(dx, ref_dx, name="dx", atol=1e-5 * float(ref_dx.abs().max()))
+    assert_close_to_reference(db, ref_db, name="dbias", atol=1e-5 * float(ref_db.abs().max()))
+
+
+@pytest.mark.interpret
+def test_bias_gelu_zero_rows_give_zero_bias_grad(kernel_device):
+    x = torch.empty(0, 9, device=kernel_device, requires_grad=True)
+    bias = torch.randn(9, device=kernel_device, requires_grad=True)
+    y = mlp.bias_gelu(x, bias)
+    dx, db = torch.autograd.grad(y, (x, bias), torch.empty(0, 9, device=kernel_device))
+    assert y.shape == (0, 9) and dx.shape == (0, 9)
+    assert torch.equal(db, torch.zeros_like(bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_bias_gelu_llm_sizes_match_reference(seed, dtype, approximate):
+    # GPT-style FFN: 4096 tokens x 4 * 4096 hidden; dbias sums 4096 rows
+    x = randn(4096, 16384, dtype=dtype, device="cuda", seed=seed, scale=2.0)
+    bias = randn(16384, dtype=dtype, device="cuda", seed=seed + 1)
+    _check(x, bias, approximate, seed)
