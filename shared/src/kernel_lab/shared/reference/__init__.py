@@ -54,9 +54,11 @@ from .norms import (
     rms_norm_gated,
     rms_norm_gated_backward,
 )
+from .optim_adamw import adamw_step
 from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 
 __all__ = [
+    "adamw_step",
     "apply_rope",
     "attention",
     "attention_backward",

@@ -1,0 +1,7 @@
+"""kernel_lab.optim_adamw: a fused multi-tensor AdamW, drop-in for torch.optim.AdamW."""
+
+from .ops import adamw_step_
+from .optimizer import AdamW
+
+__version__ = "0.1.0"
+__all__ = ["AdamW", "adamw_step_"]

@@ -1,0 +1,124 @@
+"""Triton kernels of the multi-tensor AdamW step (one launch updates a whole list of tensors)."""
+
+import triton
+import triton.language as tl
+
+# Rows of the pointer table: one int64 address per tensor and row (see ops._PtrRow).
+# (constexpr globals: a @triton.jit function may only read globals that are tl.constexpr).
+ROW_PARAM = tl.constexpr(0)
+ROW_GRAD = tl.constexpr(1)
+ROW_EXP_AVG = tl.constexpr(2)
+ROW_EXP_AVG_SQ = tl.constexpr(3)
+ROW_MAX_EXP_AVG_SQ = tl.constexpr(4)
+ROW_MASTER = tl.constexpr(5)
+ROW_STEP = tl.constexpr(6)
+NUM_ROWS = 7
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """fp32 -> bf16 with round-to-nearest-even done on the bits.
+
+    The Triton interpreter truncates fp32 -> bf16 casts (numpy has no bfloat16), so the
+    explicit rounding keeps the CPU tests and the GPU kernel bit-identical. NaN stays NaN
+    (adding the rounding bias to a NaN's mantissa could carry it into infinity).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_multi_tensor_kernel(
+    ptr_table,  # int64 [7, num_tensors]: addresses of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step
+    numels,  # int64 [num_tensors]
+    work_table,  # int64 [num_programs]: (tensor index << 32) | chunk index within that tensor
+    num_tensors,
+    lr,  # float learning rate (LR_FROM_PTR=False)
+    lr_ptr,  # 1-element tensor holding the learning rate (LR_FROM_PTR=True)
+    step,  # float 1-based step number (STEP_FROM_PTR=False); else each tensor's step is read from ROW_STEP
+    beta1,
+    beta2,
+    one_minus_beta1,  # 1 - beta1 computed in float64 on the host: fp32(1 - fp32(beta)) loses ~1e-5 for beta2=0.999
+    one_minus_beta2,
+    log_beta1,  # log(beta1) from the host (float64 -> fp32), -inf for beta1 == 0
+    log_beta2,
+    eps,
+    weight_decay,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    MASTER: tl.constexpr,  # float32 master weights: read/write master, also write the rounded param
+    LR_FROM_PTR: tl.constexpr,
+    STEP_FROM_PTR: tl.constexpr,
+    CHUNK: tl.constexpr,  # elements per program
+    BLOCK: tl.constexpr,  # elements per loop iteration
+):
+    """One AdamW update of CHUNK elements of one tensor (see kernel_lab.shared.reference.adamw_step).
+
+    Every element is read once (param or master, grad, exp_avg, exp_avg_sq[, max_exp_avg_sq])
+    and written once; the state is float32, the math float32, the scalars float64.
+    """
+    work = tl.load(work_table + tl.program_id(0))
+    t = work >> 32
+    start = (work & 0xFFFFFFFF) * CHUNK  # int64: a tensor may exceed 2**31 elements
+    end = tl.minimum(start + CHUNK, tl.load(numels + t))
+
+    p_ptr = tl.load(ptr_table + ROW_PARAM * num_tensors + t).to(tl.pointer_type(PARAM_DTYPE))
+    g_ptr = tl.load(ptr_table + ROW_GRAD * num_tensors + t).to(tl.pointer_type(GRAD_DTYPE))
+    m_ptr = tl.load(ptr_table + ROW_EXP_AVG * num_tensors + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(ptr_table + ROW_EXP_AVG_SQ * num_tensors + t).to(tl.pointer_type(tl.float32))
+
+    if STEP_FROM_PTR:
+        step_ptr = tl.load(ptr_table + ROW_STEP * num_tensors + t).to(tl.pointer_type(tl.float32))
+        step64 = tl.load(step_ptr).to(tl.float64)
+    else:
+        step64 = tl.cast(step, tl.float64)
+    if LR_FROM_PTR:
+        lr64 = tl.load(lr_ptr).to(tl.float64)
+    else:
+        lr64 = tl.cast(lr, tl.float64)
+    # Scalars once per program in float64, as torch's fused kernel does: 1 - beta2**step is
+    # 1e-3 at step 1, and float32 would cost it five significant digits.
+    bias_correction1 = 1.0 - tl.exp(step64 * tl.cast(log_beta1, tl.float64))
+    bias_correction2 = 1.0 - tl.exp(step64 * tl.cast(log_beta2, tl.float64))
+    step_size = (lr64 / bias_correction1).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
+    decay = (1.0 - lr64 * tl.cast(weight_decay, tl.float64)).to(tl.float32)
+
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end
+        if MASTER:
+            master_ptr = tl.load(ptr_table + ROW_MASTER * num_tensors + t).to(tl.pointer_type(tl.float32))
+            p = tl.load(master_ptr + offs, mask=mask)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if MAXIMIZE:
+            g = -g
+        p = p * decay
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        if AMSGRAD:
+            vmax_ptr = tl.load(ptr_table + ROW_MAX_EXP_AVG_SQ * num_tensors + t).to(tl.pointer_type(tl.float32))
+            v_max = tl.maximum(tl.load(vmax_ptr + offs, mask=mask), v)
+            tl.store(vmax_ptr + offs, v_max, mask=mask)
+            denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
+        else:
+            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        # IEEE sqrt and division (tl.sqrt / '/' may lower to approximate PTX): the same
+        # rounding as torch's kernels, so float32 results agree to an ulp or two.
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if MASTER:
+            tl.store(master_ptr + offs, p, mask=mask)
+        if PARAM_DTYPE == tl.bfloat16:
+            tl.store(p_ptr + offs, _round_to_bfloat16(p), mask=mask)
+        else:
+            tl.store(p_ptr + offs, p.to(PARAM_DTYPE), mask=mask)

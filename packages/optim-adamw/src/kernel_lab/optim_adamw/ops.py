@@ -1,0 +1,519 @@
+"""adamw_step_: input checks, the multi-tensor launcher, and its torch.library op.
+
+Call path: `adamw_step_(...)` (and `AdamW.step()`) checks its inputs, then
+- in eager mode calls `adamw_step_launch` directly (a custom op costs tens of microseconds of
+  dispatch per call);
+- under torch.compile calls `torch.ops.kernel_lab.adamw_step_`, a `custom_op` that mutates its
+  list arguments in place, so the graph has no break.
+
+How one launch covers many tensors: a pointer table (int64 [7, T]: the addresses of each
+tensor's param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master copy and step) and a work
+table (one int64 per program: tensor index << 32 | chunk index) live on the device. Each
+program reads its entry, casts the addresses to typed pointers and updates CHUNK elements.
+Both tables depend only on the addresses and sizes, so they are cached by those: a training
+loop whose gradients come back at the same addresses (the caching allocator's usual
+behaviour) copies no table after the first step, and a CUDA graph replays the tables it
+captured. One launch per (device, param dtype, grad dtype) in a call, plus one
+`torch._foreach_add_` for the step counters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    NUM_ROWS,
+    ROW_EXP_AVG,
+    ROW_EXP_AVG_SQ,
+    ROW_GRAD,
+    ROW_MASTER,
+    ROW_MAX_EXP_AVG_SQ,
+    ROW_PARAM,
+    ROW_STEP,
+    _adamw_multi_tensor_kernel,
+)
+
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+# Elements per program: 16384 float32 elements of a plain step are 7 x 64 KiB of traffic,
+# enough to amortise the per-program table reads and scalar math, while a 1B-parameter model
+# still gives ~60k programs (hundreds per SM, so the tail of the grid is short).
+CHUNK = 16384
+# Elements per loop iteration: 2048 over 8 warps is 8 elements per thread, two 16-byte
+# vector accesses per float32 stream.
+BLOCK = 2048
+NUM_WARPS = 8
+# The interpreter runs a program at a time on the CPU: small chunks make the small test
+# tensors span several programs (multi-chunk tensors and masked tails are exercised).
+INTERPRET_CHUNK = 256
+INTERPRET_BLOCK = 128
+
+# Tables of recent (addresses, sizes); entries created while a CUDA graph is being captured are
+# also kept forever in _CAPTURED, because the graph reads them on every replay.
+_TABLE_CACHE_SIZE = 32
+_PTR_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_WORK_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+_CAPTURED: list[torch.Tensor] = []
+
+
+@dataclass
+class _Bucket:
+    """Tensors of one launch: same device, param dtype and grad dtype."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor] | None
+    master_params: list[torch.Tensor] | None
+    steps: list[torch.Tensor] | None
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A device copy of a small int64 table, safe to use inside CUDA graph capture.
+
+    On CUDA the table goes through pinned memory with an asynchronous copy (a pageable copy
+    cannot be captured). The pinned buffer is returned alongside so that it stays alive as
+    long as the device table (a captured graph re-reads it on replay).
+    """
+    cpu = torch.from_numpy(host)
+    if device.type != "cuda":
+        return cpu.to(device)
+    pinned = torch.empty(cpu.shape, dtype=cpu.dtype, pin_memory=True)
+    pinned.copy_(cpu)
+    out = pinned.to(device, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.extend((pinned, out))
+    else:
+        out._kernel_lab_pinned = pinned  # type: ignore[attr-defined]
+    return out
+
+
+def _cached(cache: OrderedDict, key: tuple, build):
+    value = cache.get(key)
+    if value is None:
+        value = build()
+        cache[key] = value
+        if len(cache) > _TABLE_CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return value
+
+
+def _work_tables(numels: tuple[int, ...], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(numels on device, work table on device, number of programs) for these tensor sizes."""
+
+    def build():
+        sizes = np.asarray(numels, dtype=np.int64)
+        chunks = -(-sizes // chunk)
+        tensor_index = np.repeat(np.arange(len(sizes), dtype=np.int64), chunks)
+        first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+        chunk_index = np.arange(int(chunks.sum()), dtype=np.int64) - first
+        work = (tensor_index << 32) | chunk_index
+        return _to_device(sizes, device), _to_device(work, device), len(work)
+
+    return _cached(_WORK_CACHE, (device, chunk, numels), build)
+
+
+def _ptr_table(b: _Bucket, device: torch.device) -> torch.Tensor:
+    """The int64 [7, T] address table of a bucket (absent rows hold 0)."""
+    t = len(b.params)
+    rows: list[tuple[int, ...] | None] = [None] * NUM_ROWS
+    rows[ROW_PARAM] = tuple(x.data_ptr() for x in b.params)
+    rows[ROW_GRAD] = tuple(x.data_ptr() for x in b.grads)
+    rows[ROW_EXP_AVG] = tuple(x.data_ptr() for x in b.exp_avgs)
+    rows[ROW_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.exp_avg_sqs)
+    if b.max_exp_avg_sqs is not None:
+        rows[ROW_MAX_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.max_exp_avg_sqs)
+    if b.master_params is not None:
+        rows[ROW_MASTER] = tuple(x.data_ptr() for x in b.master_params)
+    if b.steps is not None:
+        rows[ROW_STEP] = tuple(x.data_ptr() for x in b.steps)
+    key = (device, *rows)
+
+    def build():
+        host = np.zeros((NUM_ROWS, t), dtype=np.int64)
+        for i, row in enumerate(rows):
+            if row is not None:
+                host[i] = np.asarray(row, dtype=np.uint64).view(np.int64)
+        return _to_device(host, device)
+
+    return _cached(_PTR_CACHE, key, build)
+
+
+def _launch_bucket(
+    b: _Bucket, *, step: float, lr: float, lr_tensor: torch.Tensor | None, beta1: float, beta2: float,
+    eps: float, weight_decay: float, maximize: bool,
+) -> None:
+    device = b.params[0].device
+    interpret = device.type != "cuda"
+    chunk, block = (INTERPRET_CHUNK, INTERPRET_BLOCK) if interpret else (CHUNK, BLOCK)
+    numels, work, num_programs = _work_tables(tuple(p.numel() for p in b.params), chunk, device)
+    if num_programs == 0:
+        return
+    ptrs = _ptr_table(b, device)
+    _adamw_multi_tensor_kernel[(num_programs,)](
+        ptrs, numels, work, len(b.params),
+        float(lr), lr_tensor if lr_tensor is not None else ptrs, float(step),
+        beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+        math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
+        eps, weight_decay,
+        PARAM_DTYPE=_TL_DTYPES[b.params[0].dtype],
+        GRAD_DTYPE=_TL_DTYPES[b.grads[0].dtype],
+        AMSGRAD=b.max_exp_avg_sqs is not None,
+        MAXIMIZE=maximize,
+        MASTER=b.master_params is not None,
+        LR_FROM_PTR=lr_tensor is not None,
+        STEP_FROM_PTR=b.steps is not None,
+        CHUNK=chunk,
+        BLOCK=block,
+        num_warps=NUM_WARPS,
+    )
+
+
+def _reference_step(
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, *, step, lr, lr_tensor,
+    beta1, beta2, eps, weight_decay, amsgrad, maximize,
+) -> None:
+    """The CPU fallback: the shared reference in float32, tensor by tensor."""
+    lr = float(lr_tensor) if lr_tensor is not None else lr
+    for i, p in enumerate(params):
+        master = master_params[i] if master_params is not None else None
+        vmax = max_exp_avg_sqs[i] if amsgrad else None
+        new_p, m, v, new_vmax = reference.adamw_step(
+            master if master is not None else p, grads[i], exp_avgs[i], exp_avg_sqs[i],
+            step=float(steps[i]) if steps is not None else step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, amsgrad=amsgrad, max_exp_avg_sq=vmax, maximize=maximize,
+            compute_dtype=torch.float32,
+        )
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        if amsgrad:
+            vmax.copy_(new_vmax)
+        if master is not None:
+            master.copy_(new_p)
+        p.copy_(new_p)
+
+
+def adamw_step_launch(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None,
+    master_params: Sequence[torch.Tensor | None] | None,
+    steps: Sequence[torch.Tensor] | None,
+    *,
+    step: float,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    """Launcher: one AdamW update of every tensor, in place. Assumes checked inputs.
+
+    `steps` (float32 scalars on the params' device) are incremented first and then used, as
+    torch.optim does; without them the 1-based `step` is used for every tensor. A `None` entry
+    in `master_params` means "no master copy" for that tensor (float32 params).
+    """
+    if not params:
+        return
+    if steps is not None:
+        torch._foreach_add_(list(steps), 1.0)
+    if not runtime.uses_triton(params[0]):
+        masters = None if master_params is None else list(master_params)
+        for i in range(len(params)):
+            _reference_step(
+                params[i : i + 1], grads[i : i + 1], exp_avgs[i : i + 1], exp_avg_sqs[i : i + 1],
+                None if max_exp_avg_sqs is None else max_exp_avg_sqs[i : i + 1],
+                None if masters is None or masters[i] is None else masters[i : i + 1],
+                None if steps is None else steps[i : i + 1],
+                step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            )
+        return
+    buckets: dict[tuple, _Bucket] = {}
+    for i, p in enumerate(params):
+        master = master_params[i] if master_params is not None else None
+        key = (p.device, p.dtype, grads[i].dtype, master is not None)
+        b = buckets.get(key)
+        if b is None:
+            b = buckets[key] = _Bucket(
+                [], [], [], [], [] if amsgrad else None, [] if master is not None else None,
+                [] if steps is not None else None,
+            )
+        b.params.append(p)
+        b.grads.append(grads[i])
+        b.exp_avgs.append(exp_avgs[i])
+        b.exp_avg_sqs.append(exp_avg_sqs[i])
+        if amsgrad:
+            b.max_exp_avg_sqs.append(max_exp_avg_sqs[i])
+        if master is not None:
+            b.master_params.append(master)
+        if steps is not None:
+            b.steps.append(steps[i])
+    for b in buckets.values():
+        _launch_bucket(
+            b, step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize,
+        )
+
+
+# torch.library registration: what torch.compile sees. A custom_op (not a triton_op): the
+# launcher reads tensor addresses to build its tables, which a traced (fake) tensor has not.
+
+
+@torch.library.custom_op(
+    "kernel_lab::adamw_step_",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "steps"),
+)
+def _adamw_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],  # empty: no amsgrad
+    master_params: list[Optional[torch.Tensor]],  # noqa: UP045 - the schema inference needs typing.Optional
+    steps: list[torch.Tensor],  # empty: use `step`
+    step: float,
+    lr: float,
+    lr_tensor: Optional[torch.Tensor],  # noqa: UP045
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    adamw_step_launch(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None, master_params or None,
+        steps or None, step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+    )
+
+
+@_adamw_step_op.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, step, lr, lr_tensor,
+      beta1, beta2, eps, weight_decay, amsgrad, maximize) -> None:
+    return None
+
+
+def dispatch(
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, *, step, lr, lr_tensor,
+    beta1, beta2, eps, weight_decay, amsgrad, maximize,
+) -> None:
+    """Eager: the launcher; under torch.compile: the registered op. Inputs already checked."""
+    kwargs = dict(
+        step=float(step), lr=float(lr), lr_tensor=lr_tensor, beta1=float(beta1), beta2=float(beta2),
+        eps=float(eps), weight_decay=float(weight_decay), amsgrad=bool(amsgrad), maximize=bool(maximize),
+    )
+    if torch.compiler.is_compiling():
+        torch.ops.kernel_lab.adamw_step_(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs or []),
+            list(master_params or []), list(steps or []), **kwargs,
+        )
+        return
+    adamw_step_launch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, **kwargs)
+
+
+# Input checks.
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when `t` covers a gap-free block of memory (any dim order): it can be walked flat."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in _sorted_dims(t):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _sorted_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(stride, size) of the dims of size > 1, innermost first."""
+    return sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1)
+
+
+def check_hyperparameters(lr, beta1, beta2, eps, weight_decay, *, name: str) -> None:
+    """ValueError/TypeError for hyper-parameters torch.optim.AdamW would also reject."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.dtype.is_floating_point:
+            raise ValueError(f"{name}: a tensor lr must be a 1-element floating-point tensor, got {lr.dtype} "
+                             f"of shape {tuple(lr.shape)}")
+        if lr.device.type == "cpu" and float(lr) < 0:
+            raise ValueError(f"{name}: lr must be >= 0, got {float(lr)}")
+    elif not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise TypeError(f"{name}: lr must be a float or a 1-element tensor, got {type(lr).__name__}")
+    elif not lr >= 0:
+        raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+    for label, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"{name}: {label} must be in [0, 1), got {float(beta)}")
+    if not float(eps) >= 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    if not float(weight_decay) >= 0:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_param(p: torch.Tensor, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
+    if p.dtype not in SUPPORTED_PARAM_DTYPES:
+        raise TypeError(f"{where}: dtype must be float32, float16 or bfloat16, got {p.dtype}")
+    if p.layout != torch.strided:
+        raise TypeError(f"{where}: must be a dense (strided) tensor, got layout {p.layout}")
+    if not is_dense(p):
+        raise ValueError(f"{where}: must cover its memory without gaps (a contiguous tensor or a permutation "
+                         f"of one), got shape {tuple(p.shape)} with strides {p.stride()}")
+
+
+def check_grad(g, p: torch.Tensor, where: str) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(g).__name__}")
+    if g.is_sparse or g.layout != torch.strided:
+        raise TypeError(f"{where}: sparse gradients are not supported by AdamW (layout {g.layout}); "
+                        "use torch.optim.SparseAdam")
+    if g.dtype not in SUPPORTED_PARAM_DTYPES:
+        raise TypeError(f"{where}: dtype must be float32, float16 or bfloat16, got {g.dtype}")
+    if g.shape != p.shape or g.device != p.device:
+        raise ValueError(f"{where}: expected shape {tuple(p.shape)} on {p.device} like its parameter, got "
+                         f"{tuple(g.shape)} on {g.device}")
+
+
+def check_state(s, p: torch.Tensor, where: str) -> None:
+    """Optimizer state: float32, the parameter's shape, device and memory layout."""
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        raise TypeError(f"{where}: optimizer state must be float32, got {s.dtype}")
+    if s.shape != p.shape or s.device != p.device:
+        raise ValueError(f"{where}: expected shape {tuple(p.shape)} on {p.device} like its parameter, got "
+                         f"{tuple(s.shape)} on {s.device}")
+    same_layout(s, p, where)
+
+
+def same_layout(t: torch.Tensor, p: torch.Tensor, where: str) -> None:
+    """The kernel walks param, grad and state in memory order: their strides must agree."""
+    if not (t.is_contiguous() and p.is_contiguous()) and (t.stride() != p.stride() or not is_dense(t)):
+        raise ValueError(f"{where}: expected the memory layout of its parameter (strides {p.stride()}), "
+                         f"got strides {t.stride()}")
+
+
+def adamw_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int | float | Sequence[torch.Tensor],
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    max_exp_avg_sqs: Sequence[torch.Tensor] | None = None,
+    maximize: bool = False,
+    master_params: Sequence[torch.Tensor | None] | None = None,
+) -> None:
+    """One AdamW update of every tensor in `params`, in place (torch.optim.AdamW's math).
+
+        g = -grad if maximize else grad;  p *= 1 - lr * weight_decay
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        v_max = max(v_max, v) (amsgrad: v_max replaces v below)
+        p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+
+    params: float32, float16 or bfloat16 tensors of any shape (contiguous, or a permutation of
+    a contiguous layout); grads: the same shapes, devices and layouts, any of those dtypes;
+    exp_avgs, exp_avg_sqs (and max_exp_avg_sqs with amsgrad): float32, same shapes and layouts.
+    master_params: optional float32 copies of low-precision params (None entries allowed):
+    the update reads and writes the master copy and stores its rounding into the param.
+    step: the 1-based number of this update for every tensor, or a list of float32 scalar
+    tensors on the params' device (one per param) that is incremented first, then used, so
+    the call can be captured in a CUDA graph. lr: a float or a 1-element tensor (read on the
+    device at run time, e.g. from a scheduler inside a CUDA graph).
+
+    One Triton launch per (device, param dtype, grad dtype), plus one for the step counters.
+    Raises TypeError for wrong types/dtypes (sparse grads included) and ValueError for
+    mismatched lengths, shapes, devices or layouts and for out-of-range hyper-parameters.
+    """
+    name = "adamw_step_"
+    check_hyperparameters(lr, beta1, beta2, eps, weight_decay, name=name)
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if amsgrad:
+        if max_exp_avg_sqs is None:
+            raise ValueError(f"{name}: max_exp_avg_sqs is required when amsgrad=True")
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    if master_params is not None:
+        lists["master_params"] = master_params
+    steps = None
+    if isinstance(step, (list, tuple)):
+        steps = step
+        lists["step"] = steps
+    elif isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise TypeError(f"{name}: step must be an int or a list of float32 scalar tensors, got {type(step).__name__}")
+    elif not step >= 1:
+        raise ValueError(f"{name}: step is the 1-based number of this update, got {step}")
+    for label, seq in lists.items():
+        if len(seq) != n:
+            raise ValueError(f"{name}: {label} has {len(seq)} entries, params has {n}")
+    device = params[0].device if n else None
+    for i, p in enumerate(params):
+        check_param(p, f"{name}: params[{i}]")
+        if p.device != device:
+            raise ValueError(f"{name}: params[{i}] is on {p.device}, params[0] on {device}: one device per call")
+        check_grad(grads[i], p, f"{name}: grads[{i}]")
+        same_layout(grads[i], p, f"{name}: grads[{i}]")
+        check_state(exp_avgs[i], p, f"{name}: exp_avgs[{i}]")
+        check_state(exp_avg_sqs[i], p, f"{name}: exp_avg_sqs[{i}]")
+        if amsgrad:
+            check_state(max_exp_avg_sqs[i], p, f"{name}: max_exp_avg_sqs[{i}]")
+        if master_params is not None and master_params[i] is not None:
+            check_state(master_params[i], p, f"{name}: master_params[{i}]")
+        if steps is not None:
+            s = steps[i]
+            if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+                raise ValueError(f"{name}: step[{i}] must be a 1-element float32 tensor on {device}")
+    if isinstance(lr, torch.Tensor) and n and lr.device != device and lr.device.type != "cpu":
+        raise ValueError(f"{name}: lr is on {lr.device}, params on {device}")
+    lr_value, lr_tensor = _split_lr(lr, device)
+    dispatch(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None, master_params, steps,
+        step=1.0 if steps is not None else float(step), lr=lr_value, lr_tensor=lr_tensor, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+    )
+
+
+def _split_lr(lr, device) -> tuple[float, torch.Tensor | None]:
+    """(float lr, None), or (0.0, lr tensor) when the kernel reads lr on the params' device.
+
+    A CPU lr tensor with CUDA params is read on the host (no device sync); an lr tensor on the
+    params' device is read by the kernel at run time, so a captured CUDA graph sees updates.
+    """
+    if isinstance(lr, torch.Tensor):
+        if device is not None and lr.device == device:
+            return 0.0, lr
+        return float(lr), None
+    return float(lr), None
+
+
+__all__ = ["adamw_step_", "adamw_step_launch", "check_hyperparameters"]

@@ -1,0 +1,171 @@
+"""AdamW: a torch.optim.Optimizer whose step() is the multi-tensor Triton kernel of ops.py."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from . import ops
+
+
+class AdamW(torch.optim.Optimizer):
+    """Drop-in for torch.optim.AdamW: the same math, state and state_dict, one fused launch.
+
+    params, lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW (lr may be a
+    1-element tensor; on the params' device it is read by the kernel, so a CUDA-graph-captured
+    step() follows changes made with `lr.fill_(...)`).
+    master_weights: for float16/bfloat16 params, keep a float32 copy in the state
+    ("master_param") that the update reads and writes; the param receives its rounding. Without
+    it the update reads the low-precision param, computes in float32 and rounds once.
+    foreach, fused, capturable: accepted so that torch.optim.AdamW call sites run unchanged;
+    the step is always fused and capturable. differentiable=True is not supported.
+
+    State per parameter, with torch.optim.AdamW's keys: "step" (float32 scalar tensor on the
+    param's device, like torch's fused/capturable AdamW), "exp_avg", "exp_avg_sq" (and
+    "max_exp_avg_sq" with amsgrad), always float32 whatever the param dtype. state_dict() loads
+    into torch.optim.AdamW and a torch.optim.AdamW state_dict loads into this class (its
+    moments are converted to float32).
+
+    Differs from torch.optim.AdamW: float16/bfloat16 params keep float32 moments (torch keeps
+    them in the param dtype); params must cover their memory without gaps (any permutation of
+    a contiguous layout).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        master_weights: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        if differentiable:
+            raise ValueError("AdamW: differentiable=True is not supported (the update is a Triton kernel)")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        betas = (float(betas[0]), float(betas[1]))
+        ops.check_hyperparameters(lr, betas[0], betas[1], eps, weight_decay, name="AdamW")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "master_weights": master_weights,
+            # torch.optim.AdamW's remaining keys, so that it can load our state_dict as is.
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": False,
+            "fused": fused,
+            "decoupled_weight_decay": True,
+        }
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("master_weights", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group["decoupled_weight_decay"] = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            ops.check_param(p, f"AdamW: param_groups[{len(self.param_groups) - 1}]['params'][{i}]")
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.preserve_format
+                )
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            # amsgrad switched on for an existing state (e.g. a loaded checkpoint without it)
+            state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+        if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW update of every parameter that has a gradient; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            ops.check_hyperparameters(
+                lr, beta1, beta2, group["eps"], group["weight_decay"], name=f"AdamW: param_groups[{gi}]"
+            )
+            by_device: dict[torch.device, list] = {}
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                ops.check_grad(g, p, f"AdamW: param_groups[{gi}]['params'][{i}].grad")
+                if not (g.is_contiguous() and p.is_contiguous()) and g.stride() != p.stride():
+                    # the kernel walks param, grad and state in the same memory order
+                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                state = self._init_state(p, group)
+                by_device.setdefault(p.device, []).append((p, g, state))
+            for device, entries in by_device.items():
+                params = [e[0] for e in entries]
+                states = [e[2] for e in entries]
+                masters = None
+                if group["master_weights"] and any(p.dtype != torch.float32 for p in params):
+                    masters = [s.get("master_param") if p.dtype != torch.float32 else None
+                               for p, s in zip(params, states, strict=True)]
+                lr_value, lr_tensor = ops._split_lr(lr, device)
+                ops.dispatch(
+                    params, [e[1] for e in entries], [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
+                    masters, [s["step"] for s in states],
+                    step=1.0, lr=lr_value, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
+                )
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict of this class or of torch.optim.AdamW (any of its variants).
+
+        torch's loader casts floating-point state to the param dtype; the moments are then
+        re-read from `state_dict` in float32 and the step counters moved to the param's device.
+        """
+        saved_state = state_dict["state"]
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        super().load_state_dict(state_dict)
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            src = saved_state.get(saved_id)
+            if not src:
+                continue
+            state = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                if torch.is_tensor(src.get(key)):
+                    state[key] = torch.empty_like(p, dtype=torch.float32).copy_(src[key])
+            step = src["step"]
+            step = step.detach().to(dtype=torch.float32) if torch.is_tensor(step) else torch.tensor(float(step))
+            state["step"] = step.reshape(()).to(p.device, copy=True)

@@ -1,0 +1,353 @@
+"""AdamW (optimizer and functional step) against torch.optim.AdamW and the shared reference.
+
+`interpret` tests run the real Triton kernel on small odd-sized tensors (CPU under
+TRITON_INTERPRET=1, or CUDA); `gpu` tests train a small model, capture step() in a CUDA
+graph and run LLM-sized tensors; unmarked tests check input validation and the reference path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernel_lab.optim_adamw import AdamW, adamw_step_
+from kernel_lab.shared import reference, runtime, testing
+
+# Odd sizes: masked tails, tensors spanning several programs (256 elements per program under
+# the interpreter), a permuted (non-contiguous but dense) layout is tested separately.
+SHAPES = [(37, 11), (300,), (3,), (2, 3, 7)]
+HP = dict(lr=3e-2, betas=(0.85, 0.97), eps=1e-6)
+
+
+def _params(shapes, dtype, device, seed, scale=1.0):
+    return [
+        torch.nn.Parameter(testing.randn(*s, dtype=dtype, device=device, seed=seed + i, scale=scale))
+        for i, s in enumerate(shapes)
+    ]
+
+
+def _set_grads(params_lists, seed, scale=0.3):
+    """The same fresh random grads (float32 draws) on every list of parameters."""
+    for i, p in enumerate(params_lists[0]):
+        g = testing.randn(*p.shape, seed=seed + 1000 + i, scale=scale)
+        for params in params_lists:
+            params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype)
+
+
+def _ref_update(p, g, state, group, step, compute_dtype=torch.float64):
+    """The reference applied to one parameter's current state (float64)."""
+    beta1, beta2 = group["betas"]
+    return reference.adamw_step(
+        state.get("master_param", p), g, state["exp_avg"], state["exp_avg_sq"], step=step, lr=float(group["lr"]),
+        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+        amsgrad=group["amsgrad"], max_exp_avg_sq=state.get("max_exp_avg_sq"), maximize=group["maximize"],
+        compute_dtype=compute_dtype,
+    )
+
+
+def _assert_matches_torch(ours, theirs, opt, topt, name):
+    """Ours vs torch.optim.AdamW (float32): the tolerance rule against the float64 reference
+    trajectory (kept in `ours_ref`) and 1e-6 relative to torch directly."""
+    for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+        scale = max(1.0, float(q.detach().abs().max()))
+        diff = float((p.detach() - q.detach()).abs().max())
+        assert diff <= 1e-6 * scale, f"{name}[{i}]: max |ours - torch.optim.AdamW| = {diff:.3e}"
+        if p in opt.state:
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in opt.state[p]:
+                    a, b = opt.state[p][key], topt.state[q][key]
+                    d = float((a - b).abs().max())
+                    assert d <= 1e-6 * max(1.0, float(b.abs().max())), f"{name}[{i}] {key}: {d:.3e}"
+            assert float(opt.state[p]["step"]) == float(topt.state[q]["step"])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "amsgrad,maximize,weight_decay", [(False, False, 0.0), (False, False, 0.1), (True, False, 0.1), (False, True, 0.02)]
+)
+def test_adamw_float32_matches_reference_and_torch_adamw(kernel_device, seed, amsgrad, maximize, weight_decay):
+    # params of the size of a few updates (lr 3e-2): the checks below, relative to max|param|,
+    # then see a relative error of ~1e-6 in the update itself
+    ours = _params(SHAPES, torch.float32, kernel_device, seed, scale=0.05)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    ref = [p.detach().double() for p in ours]
+    ref_state = [{"exp_avg": torch.zeros_like(r), "exp_avg_sq": torch.zeros_like(r),
+                  "max_exp_avg_sq": torch.zeros_like(r)} for r in ref]
+    opt = AdamW(ours, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, **HP)
+    topt = torch.optim.AdamW(theirs, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=False, **HP)
+    for step in range(1, 5):
+        _set_grads([ours, theirs], seed + step)
+        # the last parameter skips a step: its state and step count must not move
+        if step == 2:
+            ours[-1].grad = theirs[-1].grad = None
+        for i, p in enumerate(ours):
+            if p.grad is not None:
+                st = ref_state[i]
+                ref[i], st["exp_avg"], st["exp_avg_sq"], vmax = _ref_update(
+                    ref[i], p.grad, st, opt.param_groups[0], step - (i == len(ours) - 1 and step > 2)
+                )
+                st["max_exp_avg_sq"] = vmax if amsgrad else st["max_exp_avg_sq"]
+        opt.step()
+        topt.step()
+    for i, (p, q, r) in enumerate(zip(ours, theirs, ref, strict=True)):
+        testing.assert_close_to_reference(p.detach(), r, q.detach(), name=f"param[{i}]")
+        testing.assert_close_to_reference(
+            opt.state[p]["exp_avg_sq"], ref_state[i]["exp_avg_sq"], topt.state[q]["exp_avg_sq"], name=f"v[{i}]"
+        )
+    _assert_matches_torch(ours, theirs, opt, topt, "param")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_adamw_low_precision_params_round_the_float32_update_once(kernel_device, seed, dtype, master_weights):
+    """bf16/fp16 params, float32 state: each step's param is the exactly rounded reference update
+    of the previous state (error no larger than rounding the float64 result itself, plus float32
+    noise); with master weights the float32 copy follows the reference and the param is its
+    round-to-nearest-even image."""
+    params = _params(SHAPES, dtype, kernel_device, seed)
+    opt = AdamW(params, weight_decay=0.05, master_weights=master_weights, **HP)
+    group = opt.param_groups[0]
+    for step in range(1, 4):
+        _set_grads([params], seed + step)
+        expected = []
+        for p in params:
+            state = opt.state[p] if step > 1 else {
+                "exp_avg": torch.zeros(p.shape, device=p.device), "exp_avg_sq": torch.zeros(p.shape, device=p.device),
+                **({"master_param": p.detach().float()} if master_weights else {}),
+            }
+            expected.append(_ref_update(p.detach(), p.grad, state, group, step))
+        opt.step()
+        for i, (p, (rp, rm, rv, _)) in enumerate(zip(params, expected, strict=True)):
+            state = opt.state[p]
+            assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+            testing.assert_close_to_reference(state["exp_avg"], rm, name=f"step {step} m[{i}]")
+            testing.assert_close_to_reference(state["exp_avg_sq"], rv, name=f"step {step} v[{i}]")
+            if master_weights:
+                testing.assert_close_to_reference(state["master_param"], rp, name=f"step {step} master[{i}]")
+                assert torch.equal(p.detach(), state["master_param"].to(dtype)), f"param[{i}] != rounded master"
+            else:
+                testing.assert_close_to_reference(
+                    p.detach(), rp, rp.to(dtype), factor=1.0, atol=1e-6 * max(1.0, float(rp.abs().max())),
+                    name=f"step {step} param[{i}]",
+                )
+
+
+@pytest.mark.interpret
+def test_adamw_param_groups_with_different_hyperparameters(kernel_device, seed):
+    ours = _params(SHAPES, torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 1e-3, "betas": (0.5, 0.9), "weight_decay": 0.3,
+                                     "amsgrad": True}]
+
+    opt = AdamW(groups(ours), **HP)
+    topt = torch.optim.AdamW(groups(theirs), foreach=False, **HP)
+    for step in range(3):
+        _set_grads([ours, theirs], seed + step)
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "param")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
+def test_adamw_state_dict_round_trips_with_torch_adamw(kernel_device, seed, direction):
+    """A checkpoint of one optimizer resumes in the other and continues exactly as the first."""
+    first_cls, second_cls = (torch.optim.AdamW, AdamW) if direction == "torch_to_ours" else (AdamW, torch.optim.AdamW)
+    kwargs = dict(weight_decay=0.1, amsgrad=True, **HP)
+    extra = {torch.optim.AdamW: {"foreach": False}, AdamW: {}}
+    a = _params(SHAPES, torch.float32, kernel_device, seed)
+    opt_a = first_cls(a, **kwargs, **extra[first_cls])
+    for step in range(3):
+        _set_grads([a], seed + step)
+        opt_a.step()
+    saved = copy.deepcopy(opt_a.state_dict())
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = second_cls(b, lr=1.0, **extra[second_cls])  # hyper-parameters come from the checkpoint
+    opt_b.load_state_dict(saved)
+    assert opt_b.param_groups[0]["lr"] == HP["lr"] and opt_b.param_groups[0]["amsgrad"]
+    for step in range(3, 5):
+        _set_grads([a, b], seed + step)
+        opt_a.step()
+        opt_b.step()
+    ours, theirs = (b, a) if direction == "torch_to_ours" else (a, b)
+    opt, topt = (opt_b, opt_a) if direction == "torch_to_ours" else (opt_a, opt_b)
+    _assert_matches_torch(ours, theirs, opt, topt, direction)
+    assert opt.state[ours[0]]["step"].device == ours[0].device
+
+
+@pytest.mark.interpret
+def test_adamw_tensor_lr_and_scheduler_follow_torch(kernel_device, seed):
+    """lr as a device tensor changed in place (the CUDA-graph pattern), and a float lr driven by
+    an LR scheduler, both against torch.optim.AdamW with the same float schedule."""
+    ours = _params(SHAPES[:2], torch.float32, kernel_device, seed)
+    sched_ours = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    lr = torch.tensor(HP["lr"], device=kernel_device)
+    opt = AdamW(ours, lr=lr, betas=HP["betas"], eps=HP["eps"])
+    opt_s = AdamW(sched_ours, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    sched_s = torch.optim.lr_scheduler.StepLR(opt_s, step_size=1, gamma=0.5)
+    sched_t = torch.optim.lr_scheduler.StepLR(topt, step_size=1, gamma=0.5)
+    for step in range(3):
+        _set_grads([ours, sched_ours, theirs], seed + step)
+        opt.step()
+        opt_s.step()
+        topt.step()
+        sched_s.step()
+        sched_t.step()
+        lr.fill_(topt.param_groups[0]["lr"])
+    _assert_matches_torch(ours, theirs, opt, topt, "tensor lr")
+    _assert_matches_torch(sched_ours, theirs, opt_s, topt, "scheduled lr")
+
+
+@pytest.mark.interpret
+def test_adamw_permuted_param_layout_matches_torch(kernel_device, seed):
+    """A transposed (dense, non-contiguous) parameter with a contiguous grad."""
+    base = testing.randn(9, 33, device=kernel_device, seed=seed)
+    ours = [torch.nn.Parameter(base.t())]
+    theirs = [torch.nn.Parameter(base.t().contiguous())]
+    opt = AdamW(ours, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(2):
+        g = testing.randn(33, 9, device=kernel_device, seed=seed + step)
+        ours[0].grad, theirs[0].grad = g.clone(), g.clone()
+        opt.step()
+        topt.step()
+    assert opt.state[ours[0]]["exp_avg"].stride() == ours[0].stride()
+    _assert_matches_torch(ours, theirs, opt, topt, "transposed param")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("tensor_steps", [False, True])
+def test_adamw_step_functional_matches_reference(kernel_device, seed, tensor_steps):
+    """adamw_step_ with mixed param dtypes (two launches) and an int step or step tensors."""
+    params = [testing.randn(301, device=kernel_device, seed=seed),
+              testing.randn(5, 7, dtype=torch.bfloat16, device=kernel_device, seed=seed + 1)]
+    def draw(p, offset, dtype=torch.float32, scale=1.0):
+        return testing.randn(*p.shape, dtype=dtype, device=kernel_device, seed=seed + offset, scale=scale)
+
+    grads = [draw(p, 2 + i, p.dtype) for i, p in enumerate(params)]
+    ms = [draw(p, 5 + i, scale=0.1) for i, p in enumerate(params)]
+    vs = [draw(p, 7 + i, scale=0.1).square() for i, p in enumerate(params)]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01)
+    expected = [reference.adamw_step(*t, step=7, **hp) for t in zip(params, grads, ms, vs, strict=True)]
+    step = [torch.full((), 6.0, device=kernel_device) for _ in params] if tensor_steps else 7
+    adamw_step_(params, grads, ms, vs, step=step, **hp)
+    for i, (p, m, v) in enumerate(zip(params, ms, vs, strict=True)):
+        rp, rm, rv, _ = expected[i]
+        testing.assert_close_to_reference(m, rm, name=f"m[{i}]")
+        testing.assert_close_to_reference(v, rv, name=f"v[{i}]")
+        testing.assert_close_to_reference(p, rp, rp.to(p.dtype), factor=1.0, name=f"param[{i}]")
+    if tensor_steps:
+        assert all(float(s) == 7.0 for s in step)
+
+
+@pytest.mark.interpret
+def test_adamw_step_under_torch_compile_fullgraph(kernel_device, seed):
+    """The registered op: no graph break, same result as eager."""
+    torch._dynamo.reset()
+    params = [testing.randn(130, device=kernel_device, seed=seed)]
+    grads = [testing.randn(130, device=kernel_device, seed=seed + 1)]
+    eager = [t.clone() for t in params]
+    states = [[torch.zeros(130, device=kernel_device) for _ in range(2)] for _ in range(2)]
+    steps = [[torch.zeros((), device=kernel_device)] for _ in range(2)]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01)
+
+    def fn(ps, m, v, s):
+        adamw_step_(ps, grads, m, v, step=s, **hp)
+
+    backend = "inductor" if kernel_device == "cuda" else "aot_eager"
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for _ in range(2):
+        compiled(params, [states[0][0]], [states[0][1]], steps[0])
+        fn(eager, [states[1][0]], [states[1][1]], steps[1])
+    torch.testing.assert_close(params[0], eager[0], rtol=0, atol=0)
+    assert float(steps[0][0]) == 2.0
+
+
+# Unmarked: input validation and the reference backend.
+
+
+def _valid_args():
+    p = [torch.zeros(4)]
+    return dict(params=p, grads=[torch.ones(4)], exp_avgs=[torch.zeros(4)], exp_avg_sqs=[torch.zeros(4)]), dict(
+        step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
+    )
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+        ({"beta1": 1.0}, ValueError, r"beta1 must be in \[0, 1\)"),
+        ({"beta2": -0.1}, ValueError, r"beta2 must be in \[0, 1\)"),
+        ({"eps": -1e-8}, ValueError, "eps must be >= 0"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay must be >= 0"),
+        ({"step": 0}, ValueError, "1-based"),
+        ({"lr": "0.1"}, TypeError, "lr must be a float"),
+        ({"grads": [torch.ones(5)]}, ValueError, r"grads\[0\]: expected shape \(4,\)"),
+        ({"grads": [torch.ones(4).to_sparse()]}, TypeError, "sparse gradients"),
+        ({"exp_avgs": [torch.zeros(4, dtype=torch.bfloat16)]}, TypeError, "state must be float32"),
+        ({"exp_avg_sqs": []}, ValueError, "exp_avg_sqs has 0 entries"),
+        ({"params": [torch.zeros(4, dtype=torch.float64)]}, TypeError, "float32, float16 or bfloat16"),
+        ({"params": [torch.zeros(8)[::2]]}, ValueError, "without gaps"),
+        ({"amsgrad": True}, ValueError, "max_exp_avg_sqs is required"),
+        ({"step": [torch.zeros((), dtype=torch.float64)]}, ValueError, r"step\[0\] must be a 1-element float32"),
+    ],
+)
+def test_adamw_step_rejects_bad_inputs(change, error, match):
+    tensors, hp = _valid_args()
+    kwargs = {**tensors, **hp}
+    kwargs.update(change)
+    args = [kwargs.pop(k) for k in ("params", "grads", "exp_avgs", "exp_avg_sqs")]
+    with pytest.raises(error, match=match):
+        adamw_step_(*args, **kwargs)
+
+
+def test_adamw_optimizer_rejects_bad_hyperparameters_and_sparse_grads():
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="beta2 must be in"):
+        AdamW([p], betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        AdamW([p], lr=-1e-3)
+    with pytest.raises(ValueError, match="differentiable"):
+        AdamW([p], differentiable=True)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    opt = AdamW([p])
+    p.grad = torch.ones(3).to_sparse()
+    with pytest.raises(TypeError, match="sparse gradients"):
+        opt.step()
+    opt.param_groups[0]["lr"] = -1.0  # e.g. a broken scheduler
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be >= 0"):
+        opt.step()
+
+
+def test_adamw_reference_backend_matches_torch(monkeypatch, seed):
+    """A CPU tensor without the interpreter runs the shared reference in float32."""
+    monkeypatch.setattr(runtime, "uses_triton", lambda x: False)
+    ours = _params(SHAPES[:2], torch.float32, "cpu", seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, weight_decay=0.1, amsgrad=True, **HP)
+    topt = torch.optim.AdamW(theirs, weight_decay=0.1, amsgrad=True, foreach=False, **HP)
+    for step in range(3):
+        _set_grads([ours, theirs], seed + step)
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "reference backend")
+
+
+def test_adamw_zero_grad_and_closure():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([p])
+    assert opt.step(lambda: 4.0) == 4.0  # no grads yet: nothing moves, closure's loss returned
+    assert torch.equal(p.detach(), torch.ones(3)) and len(opt.state) == 0
+    p.grad = torch.ones(3)
+    opt.zero_grad()
+    assert p.grad is None
