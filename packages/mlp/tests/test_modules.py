@@ -1,0 +1,138 @@
+"""SwiGLUMLP / GeGLUMLP against the gated-MLP reference, and patch_hf on small HF models."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernel_lab import mlp
+from kernel_lab.shared import reference
+from kernel_lab.shared.testing import assert_close_to_reference, randn
+
+
+def _init_(module: nn.Module, seed: int) -> nn.Module:
+    """Fresh seeded weights of a realistic scale (1/sqrt(fan_in)), never zeros or ones."""
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            fan_in = p.shape[-1] if p.ndim > 1 else 16
+            p.copy_(randn(*p.shape, seed=seed + i, scale=fan_in**-0.5))
+    return module
+
+
+def _reference_mlp(m: mlp.GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    if m.fuse_gate_up:
+        w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+        b = m.gate_up_proj.bias
+        b_gate, b_up = (None, None) if b is None else b.chunk(2)
+    else:
+        w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
+        b_gate, b_up = m.gate_proj.bias, m.up_proj.bias
+    return reference.gated_mlp(
+        x, w_gate, w_up, m.down_proj.weight, m.activation, m.approximate, b_gate, b_up, m.down_proj.bias
+    )
+
+
+def _eager_mlp(m: mlp.GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    if m.fuse_gate_up:
+        g, u = m.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        g, u = m.gate_proj(x), m.up_proj(x)
+    act = F.silu(g) if m.activation == "silu" else F.gelu(g, approximate=m.approximate)
+    return m.down_proj(act * u)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cls_kw", [("swiglu", {}), ("geglu", {"approximate": "tanh"}), ("geglu", {})], ids=str)
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_module_matches_reference_forward_and_grads(kernel_device, seed, cls_kw, fuse_gate_up, bias):
+    name, kw = cls_kw
+    cls = mlp.SwiGLUMLP if name == "swiglu" else mlp.GeGLUMLP
+    m = _init_(cls(24, 40, bias, fuse_gate_up=fuse_gate_up, **kw), seed).to(kernel_device)
+    x = randn(2, 5, 24, device=kernel_device, seed=seed + 100, requires_grad=True)
+    y = m(x)
+    assert_close_to_reference(y, _reference_mlp(m, x.detach()), _eager_mlp(m, x.detach()), name="y")
+    # gradients: the same module run eagerly (torch activation) is the baseline of each grad
+    dy = randn(*y.shape, device=kernel_device, seed=seed + 200)
+    params = [x, *m.parameters()]
+    grads = torch.autograd.grad(y, params, dy)
+    x64 = x.detach().double().requires_grad_(True)
+    m64 = _init_(cls(24, 40, bias, fuse_gate_up=fuse_gate_up, **kw), seed).double()
+    ref_grads = torch.autograd.grad(_eager_mlp(m64, x64), [x64, *m64.parameters()], dy.cpu().double())
+    base_grads = torch.autograd.grad(_eager_mlp(m, x), params, dy)
+    for (pname, _), g, r, b in zip([("x", x), *m.named_parameters()], grads, ref_grads, base_grads, strict=True):
+        assert_close_to_reference(g, r, b, name=f"d{pname}")
+
+
+def test_gated_mlp_module_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="hidden_size"):
+        mlp.SwiGLUMLP(0, 8)
+    with pytest.raises(ValueError, match="approximate"):
+        mlp.GeGLUMLP(8, 8, approximate="fast")
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        mlp.patch_hf("model")
+
+
+class _ToyHFMLP(nn.Module):
+    """The attribute layout of LlamaMLP / GemmaMLP, without transformers."""
+
+    def __init__(self, act_fn: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 24, bias=False), nn.Linear(16, 24, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(24, 16, bias=False), act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_patch_hf_replaces_gated_mlps_by_their_activation_and_keeps_weights(seed):
+    class Tanh(nn.Module):  # an activation kernel_lab does not fuse: left alone
+        def forward(self, x):
+            return torch.tanh(x)
+
+    model = nn.ModuleDict(
+        {
+            "a": _ToyHFMLP(nn.SiLU()),
+            "b": nn.Sequential(_ToyHFMLP(nn.GELU(approximate="tanh"))),
+            "c": _ToyHFMLP(nn.GELU()),
+            "d": _ToyHFMLP(Tanh()),
+        }
+    )
+    _init_(model, seed)
+    weight = model["a"].gate_proj.weight
+    x = randn(3, 16, seed=seed + 1)
+    before = {k: model[k](x) for k in model}
+    assert mlp.patch_hf(model) == 3
+    assert isinstance(model["a"], mlp.SwiGLUMLP) and model["a"].gate_proj.weight is weight
+    assert isinstance(model["b"][0], mlp.GeGLUMLP) and model["b"][0].approximate == "tanh"
+    assert isinstance(model["c"], mlp.GeGLUMLP) and model["c"].approximate == "none"
+    assert isinstance(model["d"], _ToyHFMLP)
+    for k in model:
+        torch.testing.assert_close(model[k](x), before[k], rtol=1e-5, atol=1e-6)
+    assert mlp.patch_hf(model) == 0  # idempotent
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+def test_patch_hf_on_small_transformers_model_keeps_logits(seed, family):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    common = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    cfg_cls, model_cls, expected = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", mlp.SwiGLUMLP),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", mlp.SwiGLUMLP),
+        "mistral": ("MistralConfig", "MistralForCausalLM", mlp.SwiGLUMLP),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", mlp.GeGLUMLP),
+    }[family]
+    extra = {"head_dim": 8} if family == "gemma" else {}
+    torch.manual_seed(seed % 2**31)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**common, **extra)).eval()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert mlp.patch_hf(model) == 2
+        after = model(ids).logits
+    assert all(isinstance(layer.mlp, expected) for layer in model.model.layers)
+    # float32 end to end; the fused activation rounds once where torch rounds twice
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
