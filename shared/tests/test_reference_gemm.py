@@ -35,7 +35,7 @@ def test_matmul_backward_reference_matches_autograd(seed, activation):
     y = TORCH_ACTIVATIONS[activation](a @ b + bias)
     expected = torch.autograd.grad(y, (a, b, bias), dy)
     got = reference.matmul_backward(a.detach(), b.detach(), dy, bias.detach(), activation)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
 

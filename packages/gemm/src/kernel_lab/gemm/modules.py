@@ -1,0 +1,114 @@
+"""nn.Module drop-ins: Linear (kernel_lab matmul), QuantizedLinear (weight-only int8 / int4),
+RMSNormLinear (RMSNorm fused into the following projection), and `patch_hf`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import QuantizedWeight, matmul, quantize_weight, quantized_matmul, rms_norm_linear
+
+
+class Linear(nn.Linear):
+    """Drop-in for `torch.nn.Linear` (float16 / bfloat16 weights) running kernel_lab's matmul on
+    the weight's transposed view (no copy). Other dtypes fall back to torch.nn.Linear."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Linear:
+        """A Linear sharing `linear`'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.dtype not in (torch.float16, torch.bfloat16):
+            return super().forward(x)
+        return matmul(x, self.weight.t(), bias=self.bias)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer with a weight-only quantized weight (int8 or int4, see `quantize_weight`);
+    activations stay float16 / bfloat16 and the weight is dequantized inside the GEMM."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.bits, self.group_size, self.weight_dtype = qweight.bits, qweight.group_size, qweight.dtype
+        self.register_buffer("qdata", qweight.qdata)
+        self.register_buffer("scales", qweight.scales)
+        self.register_buffer("zeros", qweight.zeros)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, bits: int = 8, group_size: int | None = 128, symmetric: bool = True
+    ) -> QuantizedLinear:
+        """Quantize `linear.weight` (see `quantize_weight` for bits / group_size / symmetric)."""
+        return cls(quantize_weight(linear.weight, bits, group_size, symmetric), linear.bias)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.qdata, self.scales, self.zeros, self.bits, self.group_size,
+            (self.out_features, self.in_features), self.weight_dtype,
+        )
+
+    @property
+    def compression(self) -> float:
+        """Bytes of the dense weight / bytes held (codes, scales and zero points)."""
+        return self.qweight.compression
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_matmul(x, self.qweight, bias=self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, symmetric={self.zeros is None}, compression={self.compression:.2f}x"
+        )
+
+
+class RMSNormLinear(nn.Module):
+    """RMSNorm followed by a linear projection, fused (see `rms_norm_linear`).
+
+    `from_modules(norm, linear)` shares the parameters of an RMSNorm-like module (a `weight` and
+    an `eps` or HF's `variance_epsilon`) and an nn.Linear.
+    """
+
+    def __init__(self, norm_weight: nn.Parameter, linear: nn.Linear, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm_weight, self.linear, self.eps = norm_weight, linear, eps
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module, linear: nn.Linear) -> RMSNormLinear:
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
+        return cls(norm.weight, linear, float(eps))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_linear(x, self.norm_weight, self.linear.weight, eps=self.eps, bias=self.linear.bias)
+
+
+def patch_hf(
+    model: nn.Module, *, bits: int | None = None, group_size: int | None = 128, skip: tuple[str, ...] = ("lm_head",)
+) -> int:
+    """Replace the float16 / bfloat16 nn.Linear layers of a (Hugging Face) model in place: with
+    `Linear` (bits=None) or with `QuantizedLinear` (bits=8 or 4, weight-only). Layers whose
+    qualified name contains one of `skip` are left alone. Returns how many were replaced."""
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is not nn.Linear or any(s in full for s in skip):
+                continue
+            if child.weight.dtype not in (torch.float16, torch.bfloat16):
+                continue
+            if bits is None:
+                new = Linear.from_linear(child)
+            else:
+                gs = group_size if group_size is not None and child.in_features % group_size == 0 else None
+                new = QuantizedLinear.from_linear(child, bits, gs)
+            setattr(parent, name, new)
+            replaced += 1
+    return replaced

@@ -1,0 +1,772 @@
+"""matmul, fp8_matmul, quantized_matmul, rms_norm_linear: checks, launchers, torch.library ops,
+autograd.
+
+Call path of every public op: check the inputs (TypeError / ValueError naming the argument),
+then
+- in eager mode call the launcher directly (a custom op costs tens of microseconds per call,
+  as long as a decode GEMM), through `_MatmulFunction` when a gradient is needed;
+- under torch.compile call the `torch.ops.kernel_lab.gemm_*` op, a `triton_op` (matmul's
+  backward is registered with `register_autograd`), so the graph has no break.
+
+Where a launcher runs (`kernel_lab.shared.runtime.backend`): "triton" on CUDA, the same kernels
+under the Triton interpreter for CPU tensors with TRITON_INTERPRET=1 (autotuning bypassed: one
+small fixed config), and the shared float32 reference otherwise.
+
+Two paths per GEMM:
+- prefill (M > SKINNY_MAX_M): large output tiles, autotuned, grouped program order;
+- decode (M <= SKINNY_MAX_M): the smallest BLOCK_M covering M and split-K, so that enough
+  programs stream the weight to keep HBM busy; partial tiles are summed by a reduce kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    _matmul_kernel,
+    _matmul_kernel_fp8_prefill,
+    _matmul_kernel_prefill,
+    _matmul_kernel_skinny,
+    _quantized_matmul_kernel,
+    _rms_norm_linear_kernel,
+    _rms_norm_linear_kernel_prefill,
+    _rms_norm_linear_kernel_skinny,
+    _splitk_reduce_kernel,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+# M at or below which the decode path (small BLOCK_M, split-K) runs: up to 64 rows one
+# 64-row tile covers M, and the weight read dominates the cost.
+SKINNY_MAX_M = 64
+# Decode tiles are 64 columns wide: N / 64 programs per split (64 for N = 4096) is few enough
+# that split-K is what fills the GPU.
+SKINNY_BLOCK_N = 64
+# Programs per SM the split-K plan aims for: 2 waves of weight-streaming programs keep every
+# SM's loads in flight without making the float32 partials a large part of the traffic.
+SPLIT_PROGRAMS_PER_SM = 2
+# The split-K partials (written and read once, float32) may add at most this fraction of the
+# weight's bytes: at M = 64 this caps the split at 2 for K = 4096, at M <= 16 it rarely binds.
+SPLIT_MAX_TRAFFIC = 1 / 8
+# Every skinny-config BLOCK_K (128, 256) divides this, so a split boundary is a tile boundary.
+SKINNY_K_ALIGN = 256
+MAX_SPLIT_K = 16
+# Autotune keys bucket M by powers of two up to this: every prefill M >= 4096 shares a tuning.
+M_BUCKET_CAP = 4096
+
+# Under the interpreter: one small config (no autotune), and a stand-in SM count so that the
+# split-K path is exercised on the CPU too.
+INTERPRET_BLOCK = 32
+INTERPRET_SM_COUNT = 4
+
+REDUCE_BLOCK_N = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# planning helpers
+
+
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
+
+
+def _sm_count(device: torch.device) -> int:
+    return runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+
+
+@dataclass(frozen=True)
+class _SkinnyPlan:
+    block_m: int
+    block_n: int
+    split_k: int
+    k_per_split: int
+
+    def grid(self, m: int, n: int) -> tuple[int, int]:
+        return (triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n), self.split_k)
+
+
+def _skinny_plan(m: int, n: int, k: int, weight_bytes: int, device: torch.device, k_align: int) -> _SkinnyPlan:
+    """BLOCK_M covering M, fixed BLOCK_N, and the K split that fills the GPU (see constants)."""
+    interpret = device.type != "cuda"
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = INTERPRET_BLOCK if interpret else SKINNY_BLOCK_N
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
+    partial_bytes_per_split = 2 * m * n * 4
+    split = min(split, max(1, int(SPLIT_MAX_TRAFFIC * weight_bytes / partial_bytes_per_split)), MAX_SPLIT_K)
+    split = max(1, min(split, triton.cdiv(k, k_align)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), k_align) * k_align
+    return _SkinnyPlan(block_m, block_n, triton.cdiv(k, k_per_split), k_per_split)
+
+
+def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none"):
+    """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
+    n_splits, m, n = ws.shape
+    block_m = min(16, max(1, triton.next_power_of_2(m)))
+    dummy = c
+    wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(m, block_m), triton.cdiv(n, REDUCE_BLOCK_N))](
+        ws, c, dummy if ssq is None else ssq,
+        dummy if bias is None else bias,
+        dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,
+        m, n, n_splits, ws.stride(0), 0 if ssq is None else ssq.stride(0), c.stride(0), c.stride(1),
+        0 if scale_a is None or scale_a.numel() == 1 else 1,
+        0 if scale_b is None or scale_b.numel() == 1 else 1,
+        1.0 / max(k, 1), eps,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale_a is not None, HAS_RSTD=ssq is not None,
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs already checked; a 2-D)
+
+
+def matmul_fwd(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launcher: act((a @ b) * scale_a * scale_b + bias) -> (M, N) of out_dtype.
+
+    a: (M, K), b: (K, N), any strides; scale_a: one element or (M, 1); scale_b: one element or
+    (1, N) (fp8 only).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    be = runtime.backend(a)
+    if be == "reference" or k == 0:
+        if scale_a is not None:
+            y = reference.fp8_matmul(a, b, scale_a, scale_b, bias, compute_dtype=torch.float32)
+            return reference.epilogue_activation(y, activation, compute_dtype=torch.float32).to(out_dtype)
+        return reference.matmul(a, b, bias, activation, compute_dtype=torch.float32).to(out_dtype)
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    interpret = be == "triton-interpret"
+    has_scale = scale_a is not None
+    sa = scale_a if has_scale else c
+    sb = scale_b if has_scale else c
+    stride_sa = 0 if not has_scale or scale_a.numel() == 1 else 1
+    stride_sb = 0 if not has_scale or scale_b.numel() == 1 else 1
+    bias_arg = c if bias is None else bias
+    common = dict(HAS_BIAS=bias is not None, HAS_SCALE=has_scale, ACTIVATION=activation)
+    if m <= SKINNY_MAX_M:
+        k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
+        plan = _skinny_plan(m, n, k, b.numel() * b.element_size(), a.device, k_align)
+        ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
+        kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
+        extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
+        wrap_triton(kernel)[plan.grid(m, n)](
+            a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
+            stride_sa, stride_sb, ws.stride(0) if plan.split_k > 1 else 0, plan.k_per_split,
+            SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra, **common,
+        )
+        if plan.split_k > 1:
+            _reduce(ws, c, bias=bias, scale_a=scale_a, scale_b=scale_b, activation=activation)
+        return c
+    args = (
+        a, b, c, bias_arg, sa, sb, m, n, k, _m_bucket(m),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        stride_sa, stride_sb, 0, k,
+    )
+    if interpret:
+        grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
+        wrap_triton(_matmul_kernel)[grid](
+            *args, SPLIT_K=1, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
+            GROUP_M=2, **common,
+        )
+        return c
+    kernel = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+
+    wrap_triton(kernel)[grid](*args, SPLIT_K=1, **common)
+    return c
+
+
+def quantized_matmul_fwd(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Launcher: x (M, K) @ dequant(qweight)^T + bias -> (M, N) of x.dtype."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    be = runtime.backend(x)
+    if be == "reference" or k == 0:
+        y = reference.quantized_matmul(
+            x, qdata, scales, zeros, bits=bits, group_size=group_size, bias=bias, compute_dtype=torch.float32
+        )
+        return y.to(x.dtype)
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return c
+    interpret = be == "triton-interpret"
+    grouped = group_size < k
+    if interpret:
+        block_k = INTERPRET_BLOCK
+    else:
+        # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
+        block_k = min(128, group_size & -group_size) if grouped else 128
+    if m <= SKINNY_MAX_M:
+        plan = _skinny_plan(m, n, k, qdata.numel(), x.device, block_k)
+        block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
+        num_warps, num_stages = 4, 4
+    else:
+        block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
+        split_k, k_per_split = 1, k
+        num_warps, num_stages = 8, 3
+    ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split_k)
+    wrap_triton(_quantized_matmul_kernel)[grid](
+        x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
+        m, n, k, _m_bucket(m),
+        x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
+        ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        _reduce(ws, c, bias=bias)
+    return c
+
+
+def rms_norm_linear_fwd(
+    x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Launcher: rms_norm(x, norm_weight, eps) @ weight^T + bias; x (M, K), weight (N, K)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    be = runtime.backend(x)
+    if be == "reference" or k == 0:
+        return reference.rms_norm_linear(x, norm_weight, weight, eps, bias, compute_dtype=torch.float32).to(x.dtype)
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return c
+    interpret = be == "triton-interpret"
+    b = weight.t()
+    g = norm_weight.contiguous()
+    bias_arg = c if bias is None else bias
+    if m <= SKINNY_MAX_M:
+        k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
+        plan = _skinny_plan(m, n, k, weight.numel() * weight.element_size(), x.device, k_align)
+        split = plan.split_k
+        ws = c if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        ssq = c if split == 1 else torch.empty((split, m), dtype=torch.float32, device=x.device)
+        kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_skinny
+        extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
+        wrap_triton(kernel)[plan.grid(m, n)](
+            x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
+            x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
+            ws.stride(0) if split > 1 else 0, ssq.stride(0) if split > 1 else 0, plan.k_per_split, eps,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
+        )
+        if split > 1:
+            _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps)
+        return c
+    args = (
+        x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
+        x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
+    )
+    if interpret:
+        grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
+        wrap_triton(_rms_norm_linear_kernel)[grid](
+            *args, HAS_BIAS=bias is not None, SPLIT_K=1,
+            BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
+        )
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+
+    wrap_triton(_rms_norm_linear_kernel_prefill)[grid](*args, HAS_BIAS=bias is not None, SPLIT_K=1)
+    return c
+
+
+def matmul_bwd(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(da, db, dbias) of matmul_fwd, with the same kernels on transposed views (no copies)."""
+    if activation == "none":
+        dz32 = dy.float()
+    else:
+        # The pre-activation is recomputed rather than saved: one more GEMM instead of an
+        # (M, N) float32 tensor held from forward to backward.
+        z = matmul_fwd(a, b, bias, "none", torch.float32)
+        dz32 = reference.epilogue_activation_backward(z, dy, activation, compute_dtype=torch.float32)
+    # dbias from the float32 gradient: rounding dz first would add one rounding per row to the sum.
+    dbias = None if bias is None else dz32.sum(0).to(bias.dtype)
+    dz = dz32.to(a.dtype)
+    da = matmul_fwd(dz, b.t(), None, "none", a.dtype)
+    db = matmul_fwd(a.t(), dz, None, "none", b.dtype)
+    return da, db, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registration: what torch.compile sees.
+
+
+@triton_op("kernel_lab::gemm_matmul", mutates_args=())
+def _matmul_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return matmul_fwd(a, b, bias, activation, out_dtype)
+
+
+@triton_op("kernel_lab::gemm_fp8_matmul", mutates_args=())
+def _fp8_matmul_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b)
+
+
+@triton_op("kernel_lab::gemm_quantized_matmul", mutates_args=())
+def _quantized_matmul_op(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    return quantized_matmul_fwd(x, qdata, scales, zeros, bias, bits, group_size)
+
+
+@triton_op("kernel_lab::gemm_rms_norm_linear", mutates_args=())
+def _rms_norm_linear_op(
+    x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    return rms_norm_linear_fwd(x, norm_weight, weight, bias, eps)
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    a, b, bias, activation, _ = inputs
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(a, b, bias)
+
+
+def _matmul_op_backward(ctx, dy):
+    a, b, bias = ctx.saved_tensors
+    if ctx.activation == "none":
+        dz32 = dy.float()
+    else:
+        z = torch.ops.kernel_lab.gemm_matmul(a, b, bias, "none", torch.float32)
+        dz32 = reference.epilogue_activation_backward(z, dy, ctx.activation, compute_dtype=torch.float32)
+    dbias = dz32.sum(0).to(bias.dtype) if ctx.has_bias else None
+    dz = dz32.to(a.dtype)
+    da = torch.ops.kernel_lab.gemm_matmul(dz, b.t(), None, "none", a.dtype)
+    db = torch.ops.kernel_lab.gemm_matmul(a.t(), dz, None, "none", b.dtype)
+    return da, db, dbias, None, None
+
+
+_matmul_op.register_autograd(_matmul_op_backward, setup_context=_matmul_setup_context)
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """The eager-mode autograd path: the same launchers without custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, activation, out_dtype):
+        ctx.activation = activation
+        ctx.save_for_backward(a, b, bias)
+        return matmul_fwd(a, b, bias, activation, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b, bias = ctx.saved_tensors
+        da, db, dbias = matmul_bwd(a, b, bias, ctx.activation, dy)
+        return da, db, dbias, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def _check_tensor(t, name: str, op: str, dtypes=None, ndim=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {name}.dtype must be one of {names}, got {t.dtype}")
+    if ndim is not None and t.ndim not in ndim:
+        raise ValueError(f"{op}: {name} must have {' or '.join(map(str, ndim))} dims, got shape {tuple(t.shape)}")
+
+
+def _check_same_device(op: str, ref: torch.Tensor, **others) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the input is on {ref.device}")
+
+
+def _check_backend(op: str, x: torch.Tensor, backend: str | None) -> None:
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"{op}: backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not runtime.uses_triton(x):
+        raise ValueError(
+            f"{op}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); the input is on {x.device} and would run the PyTorch reference"
+        )
+
+
+def _check_bias(op: str, bias, n: int, dtypes=(*SUPPORTED_DTYPES, torch.float32)) -> None:
+    if bias is None:
+        return
+    _check_tensor(bias, "bias", op, dtypes, ndim=(1,))
+    if bias.shape[0] != n:
+        raise ValueError(f"{op}: bias must have shape ({n},) (the output columns), got {tuple(bias.shape)}")
+
+
+def _check_out_dtype(op: str, out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# public ops
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = act(a @ b + bias), float32 accumulation, one kernel (bias and activation fused).
+
+    a: (..., M, K), b: (K, N), both float16 or both bfloat16, any strides: a transposed view
+    (e.g. `weight.t()` of an nn.Linear weight) is read in place. Leading dims of a are
+    flattened into M (a view when the layout allows, else one copy). bias: (N,) or None.
+    activation: None, "gelu" (erf), "gelu_tanh", "silu" or "relu". out_dtype: float16,
+    bfloat16 or float32 (default a.dtype). Returns (..., M, N). Differentiable in a, b, bias.
+
+    backend: None picks by device; "triton" insists on the Triton kernel; "reference" runs the
+    PyTorch reference (float32 math).
+
+    Raises TypeError for unsupported or mismatched dtypes, ValueError for shape mismatches
+    (K of a vs K of b, bias length), unknown activations or tensors on different devices.
+    """
+    op = "matmul"
+    _check_tensor(a, "a", op, SUPPORTED_DTYPES)
+    _check_tensor(b, "b", op, SUPPORTED_DTYPES, ndim=(2,))
+    if a.ndim < 2:
+        raise ValueError(f"{op}: a must have at least 2 dims (..., M, K), got shape {tuple(a.shape)}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(
+            f"{op}: K mismatch: a is {tuple(a.shape)} (K={a.shape[-1]}), b is {tuple(b.shape)} (K={b.shape[0]})"
+        )
+    _check_bias(op, bias, b.shape[1])
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    _check_out_dtype(op, out_dtype)
+    _check_same_device(op, a, b=b, bias=bias)
+    _check_backend(op, a, backend)
+    act = "none" if activation is None else activation
+    lead = a.shape[:-1]
+    a2 = a.reshape(math.prod(lead), a.shape[-1])
+    if backend == "reference":
+        y = reference.matmul(a2, b, bias, act, compute_dtype=torch.float32).to(out_dtype)
+    elif torch.compiler.is_compiling():
+        y = torch.ops.kernel_lab.gemm_matmul(a2, b, bias, act, out_dtype)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+        y = _MatmulFunction.apply(a2, b, bias, act, out_dtype)
+    else:
+        y = matmul_fwd(a2, b, bias, act, out_dtype)
+    return y.reshape(*lead, b.shape[1])
+
+
+def _fp8_supported(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return runtime.device_info(device.index).capability >= (8, 9)
+
+
+def fp8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = (a * scale_a) @ (b * scale_b) + bias with float8_e4m3fn a and b (torch._scaled_mm's
+    convention), float32 accumulation, scales and bias applied in the epilogue.
+
+    a: (M, K), b: (K, N) float8_e4m3fn, any strides (b column-major, i.e. `w_fp8.t()` of an
+    (N, K) weight, is the fast layout on Hopper, as for _scaled_mm); scale_a: float32, one
+    element (per-tensor) or (M, 1) (per-token); scale_b: float32, one element or (1, N)
+    (per-channel). out_dtype: bfloat16 (default), float16 or float32.
+
+    Needs a GPU of compute capability >= 8.9 (Ada, Hopper): RuntimeError on older CUDA GPUs. On
+    the CPU the float32 reference runs (the Triton interpreter has no float8 dot).
+
+    Raises TypeError for non-float8 operands or non-float32 scales, ValueError for mismatched
+    shapes.
+    """
+    op = "fp8_matmul"
+    _check_tensor(a, "a", op, FP8_DTYPES, ndim=(2,))
+    _check_tensor(b, "b", op, FP8_DTYPES, ndim=(2,))
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    m, n = a.shape[0], b.shape[1]
+    _check_tensor(scale_a, "scale_a", op, (torch.float32,))
+    _check_tensor(scale_b, "scale_b", op, (torch.float32,))
+    if not (scale_a.numel() == 1 or tuple(scale_a.shape) == (m, 1)):
+        raise ValueError(f"{op}: scale_a must have one element or shape ({m}, 1), got {tuple(scale_a.shape)}")
+    if not (scale_b.numel() == 1 or tuple(scale_b.shape) == (1, n)):
+        raise ValueError(f"{op}: scale_b must have one element or shape (1, {n}), got {tuple(scale_b.shape)}")
+    _check_bias(op, bias, n)
+    _check_out_dtype(op, out_dtype)
+    _check_same_device(op, a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    _check_backend(op, a, backend)
+    if a.device.type == "cuda" and not _fp8_supported(a.device):
+        cap = runtime.device_info(a.device.index).capability
+        raise RuntimeError(f"{op}: float8 matmul needs compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}")
+    scale_a = scale_a.reshape(-1, 1).contiguous() if scale_a.numel() > 1 else scale_a.reshape(1)
+    scale_b = scale_b.reshape(1, -1).contiguous() if scale_b.numel() > 1 else scale_b.reshape(1)
+    if backend == "reference" or a.device.type != "cuda":
+        return reference.fp8_matmul(a, b, scale_a, scale_b, bias, compute_dtype=torch.float32).to(out_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.gemm_fp8_matmul(a, b, scale_a, scale_b, bias, out_dtype)
+    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b)
+
+
+def quantize_fp8(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8, scale) with x ~= x_fp8 * scale, x_fp8 float8_e4m3fn, scale float32.
+
+    granularity "tensor": one scale (shape (1,)); "row": one scale per row of a 2-D x (shape
+    (rows, 1)). scale = amax / 448 (the largest e4m3 value), so the largest |x| maps to 448.
+    For a weight (N, K) quantized by row, `fp8_matmul(a, w_fp8.t(), sa, scale.t())` is x @ w^T.
+    """
+    _check_tensor(x, "x", "quantize_fp8", (*SUPPORTED_DTYPES, torch.float32))
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"quantize_fp8: granularity must be 'tensor' or 'row', got {granularity!r}")
+    if granularity == "row" and x.ndim != 2:
+        raise ValueError(f"quantize_fp8: granularity='row' needs a 2-D x, got shape {tuple(x.shape)}")
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True) if granularity == "row" else xf.abs().amax().reshape(1)
+    scale = amax.clamp_min(1e-12) / FP8_E4M3_MAX
+    q = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight-only quantized (N, K) nn.Linear weight (format: `kernel_lab.shared.reference.gemm`).
+
+    qdata: (N, K) int8 / uint8 codes, or (N, K // 2) uint8 for int4 (two codes per byte);
+    scales: (N, K // group_size) in the original dtype; zeros: (N, K // group_size) uint8 or None
+    (symmetric); bits: 8 or 4; group_size: columns per scale (K for per-channel).
+    """
+
+    qdata: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+    shape: tuple[int, int]  # (N, K) of the original weight
+    dtype: torch.dtype  # the original weight's dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.qdata, self.scales, self.zeros) if t is not None)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the original dense weight."""
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def compression(self) -> float:
+        """dense_nbytes / nbytes: the memory saving, scales and zero points included."""
+        return self.dense_nbytes / self.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The (N, K) weight these codes stand for, in the original dtype."""
+        w = reference.dequantize_weight(
+            self.qdata, self.scales, self.zeros, bits=self.bits, group_size=self.group_size,
+            compute_dtype=torch.float32,
+        )
+        return w.to(self.dtype)
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int = 8, group_size: int | None = 128, symmetric: bool = True
+) -> QuantizedWeight:
+    """Quantize an (N, K) nn.Linear weight to int8 or int4 codes with group-wise scales.
+
+    group_size: columns of K sharing one scale (a multiple of 32 dividing K), or None for one
+    scale per output channel. symmetric=True: w ~= code * scale with codes in [-127, 127]
+    (int8) or [-7, 7] (int4, stored offset by 8), scale = max|w| / 127 (or 7) per group;
+    symmetric=False: w ~= (code - zero) * scale with unsigned codes, the group's [min, max]
+    (widened to contain 0) mapped onto [0, 255] (or [0, 15]) and a uint8 zero point per group.
+    Round-to-nearest. The scales are stored in w's dtype and the codes computed from the stored
+    scales, so a weight of the form code * scale (with exact scales) round-trips exactly.
+
+    Raises TypeError for non-float weights, ValueError for bits not in (4, 8), a group_size that
+    does not divide K or is not a multiple of 32, or an odd K for int4.
+    """
+    op = "quantize_weight"
+    _check_tensor(w, "w", op, (*SUPPORTED_DTYPES, torch.float32), ndim=(2,))
+    if bits not in (4, 8):
+        raise ValueError(f"{op}: bits must be 4 or 8, got {bits}")
+    n, k = w.shape
+    if group_size is None or group_size == k:
+        group_size = k
+    elif not isinstance(group_size, int) or group_size <= 0 or group_size % 32:
+        raise ValueError(f"{op}: group_size must be None (per channel) or a positive multiple of 32, got {group_size}")
+    elif k % group_size:
+        raise ValueError(f"{op}: group_size {group_size} must divide K = {k} (K % group_size = {k % group_size})")
+    if bits == 4 and k % 2:
+        raise ValueError(f"{op}: int4 packs two columns per byte and needs an even K, got K = {k}")
+    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    tiny = torch.finfo(w.dtype).tiny
+    if symmetric:
+        qmax = 127 if bits == 8 else 7
+        scales = (wg.abs().amax(-1) / qmax).clamp_min(tiny).to(w.dtype)
+        codes = torch.round(wg / scales.float()[..., None]).clamp(-qmax, qmax).to(torch.int32)
+        zeros = None
+        if bits == 4:
+            codes = codes + 8
+    else:
+        levels = (1 << bits) - 1
+        lo = wg.amin(-1).clamp(max=0.0)
+        hi = wg.amax(-1).clamp(min=0.0)
+        scales = ((hi - lo) / levels).clamp_min(tiny).to(w.dtype)
+        s = scales.float()
+        zeros_i = torch.round(-lo / s).clamp(0, levels)
+        codes = torch.round(wg / s[..., None] + zeros_i[..., None]).clamp(0, levels).to(torch.int32)
+        zeros = zeros_i.to(torch.uint8)
+    codes = codes.reshape(n, k)
+    if bits == 8:
+        qdata = codes.to(torch.int8 if symmetric else torch.uint8)
+    else:
+        qdata = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return QuantizedWeight(qdata.contiguous(), scales.contiguous(), zeros, bits, group_size, (n, k), w.dtype)
+
+
+def quantized_matmul(
+    x: torch.Tensor, qweight: QuantizedWeight, *, bias: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """y = x @ qweight.dequantize()^T + bias, the weight dequantized tile by tile in the K loop
+    (it never exists in memory in float16 / bfloat16).
+
+    x: (..., K) float16 / bfloat16, any strides (flattened to rows like matmul's a); qweight
+    from `quantize_weight` (any original dtype); bias: (N,) or None. Returns (..., N) of
+    x.dtype. Forward only (inference).
+
+    Raises TypeError for a non-QuantizedWeight or an unsupported x dtype, ValueError for a K
+    mismatch or tensors on different devices.
+    """
+    op = "quantized_matmul"
+    _check_tensor(x, "x", op, SUPPORTED_DTYPES)
+    if not isinstance(qweight, QuantizedWeight):
+        raise TypeError(f"{op}: qweight must be a QuantizedWeight (from quantize_weight), got {type(qweight).__name__}")
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim (..., K), got a scalar")
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: K mismatch: x is {tuple(x.shape)} (K={x.shape[-1]}), qweight is (N, K) = {(n, k)}")
+    _check_bias(op, bias, n)
+    _check_same_device(op, x, qdata=qweight.qdata, scales=qweight.scales, zeros=qweight.zeros, bias=bias)
+    _check_backend(op, x, backend)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)
+    args = (qweight.qdata, qweight.scales, qweight.zeros, bias, qweight.bits, qweight.group_size)
+    if backend == "reference":
+        y = reference.quantized_matmul(
+            x2, qweight.qdata, qweight.scales, qweight.zeros, bits=qweight.bits, group_size=qweight.group_size,
+            bias=bias, compute_dtype=torch.float32,
+        ).to(x.dtype)
+    elif torch.compiler.is_compiling():
+        y = torch.ops.kernel_lab.gemm_quantized_matmul(x2, *args)
+    else:
+        y = quantized_matmul_fwd(x2, *args)
+    return y.reshape(*lead, n)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = rms_norm(x, norm_weight, eps) @ weight^T + bias, with the RMSNorm fused into the
+    GEMM: rstd is accumulated in the same K loop and applied to the accumulator, so the
+    normalised activations never touch memory.
+
+    x: (..., K) float16 / bfloat16, any strides; norm_weight: (K,) (any float dtype); weight:
+    (N, K) of x's dtype (nn.Linear layout, any strides); bias: (N,) or None. Returns (..., N)
+    of x.dtype. Differs from the unfused pair in one rounding: the kernel rounds x * norm_weight
+    (not x * rstd * norm_weight) to x.dtype before the tensor-core product. Forward only.
+
+    Raises TypeError for unsupported dtypes, ValueError for shape mismatches or eps <= 0.
+    """
+    op = "rms_norm_linear"
+    _check_tensor(x, "x", op, SUPPORTED_DTYPES)
+    _check_tensor(norm_weight, "norm_weight", op, (*SUPPORTED_DTYPES, torch.float32), ndim=(1,))
+    _check_tensor(weight, "weight", op, SUPPORTED_DTYPES, ndim=(2,))
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{op}: weight.dtype must equal x.dtype ({x.dtype}), got {weight.dtype}")
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim (..., K), got a scalar")
+    k = x.shape[-1]
+    if norm_weight.shape[0] != k or weight.shape[1] != k:
+        raise ValueError(
+            f"{op}: K mismatch: x is {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)}, weight "
+            f"{tuple(weight.shape)} (expected (K,) and (N, K) with K = {k})"
+        )
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
+    _check_bias(op, bias, weight.shape[0])
+    _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)
+    _check_backend(op, x, backend)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)
+    if backend == "reference":
+        y = reference.rms_norm_linear(x2, norm_weight, weight, eps, bias, compute_dtype=torch.float32).to(x.dtype)
+    elif torch.compiler.is_compiling():
+        y = torch.ops.kernel_lab.gemm_rms_norm_linear(x2, norm_weight, weight, bias, float(eps))
+    else:
+        y = rms_norm_linear_fwd(x2, norm_weight, weight, bias, float(eps))
+    return y.reshape(*lead, weight.shape[0])

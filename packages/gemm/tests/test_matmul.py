@@ -1,0 +1,262 @@
+"""matmul (fp16/bf16 with bias/activation epilogue) and fp8_matmul against the float64 reference,
+with the FlashAttention tolerance rule (docs/correctness.md).
+
+Tiers: unmarked tests check validation and the reference backend; `interpret` tests run the
+real kernels on small odd shapes (under TRITON_INTERPRET=1 on the CPU: float16 only, the
+interpreter's bf16 tl.dot is wrong); `gpu` tests run Llama-3-8B shapes, bf16, fp8, autotuning
+and torch.compile.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernel_lab.gemm.ops as ops
+from kernel_lab.gemm import fp8_matmul, matmul, quantize_fp8
+from kernel_lab.shared import reference, runtime, testing
+
+# Factor 2 of the DESIGN.md rule: the kernel accumulates in float32 like cuBLAS, in another order.
+FACTOR = 2.0
+TORCH_ACT = {
+    None: lambda z: z,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+def _skip_bf16_on_interpreter(dtype, device):
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter's bf16 tl.dot is wrong; bf16 runs in the gpu tier")
+
+
+def baseline_matmul(a, b, bias=None, activation=None, out_dtype=None):
+    """Same-precision PyTorch: the product in a's dtype (cuBLAS / CPU BLAS), the epilogue in float32
+    then rounded, as an unfused eager pipeline would give at best."""
+    y = (a @ b).float()
+    if bias is not None:
+        y = y + bias.float()
+    return TORCH_ACT[activation](y).to(out_dtype or a.dtype)
+
+
+def make_operands(m, n, k, dtype, device, seed, a_layout="row", b_layout="row"):
+    a = testing.randn(m, k, dtype=dtype, device=device, seed=seed)
+    b = testing.randn(k, n, dtype=dtype, device=device, seed=seed + 1, scale=k**-0.5)
+    if a_layout == "col":
+        a = testing.transposed_copy(a)
+    if b_layout == "col":  # the nn.Linear case: b = weight.t()
+        b = testing.transposed_copy(b)
+    return a, b
+
+
+def check(out, a, b, bias=None, activation=None, out_dtype=None, name="matmul"):
+    ref = reference.matmul(a, b, bias, activation)
+    base = baseline_matmul(a, b, bias, activation, out_dtype)
+    assert out.dtype == (out_dtype or a.dtype) and out.shape == ref.shape
+    return testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=name)
+
+
+# --- reference tier: validation and the reference backend --------------------------------------
+
+
+def test_matmul_k_mismatch_raises_value_error():
+    with pytest.raises(ValueError, match="K mismatch"):
+        matmul(torch.zeros(3, 4, dtype=torch.float16), torch.zeros(5, 2, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "a_dtype,b_dtype,match",
+    [(torch.float32, torch.float32, r"a\.dtype"), (torch.float16, torch.bfloat16, "same dtype"),
+     (torch.int8, torch.int8, r"a\.dtype")],
+)
+def test_matmul_bad_dtypes_raise_type_error(a_dtype, b_dtype, match):
+    with pytest.raises(TypeError, match=match):
+        matmul(torch.zeros(3, 4, dtype=a_dtype), torch.zeros(4, 2, dtype=b_dtype))
+
+
+def test_matmul_bad_activation_bias_out_dtype_raise():
+    a, b = torch.zeros(3, 4, dtype=torch.float16), torch.zeros(4, 2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="activation"):
+        matmul(a, b, activation="tanh")
+    with pytest.raises(ValueError, match=r"bias must have shape \(2,\)"):
+        matmul(a, b, bias=torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out_dtype"):
+        matmul(a, b, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        matmul(torch.zeros(4, dtype=torch.float16), b)
+    with pytest.raises(ValueError, match="backend"):
+        matmul(a, b, backend="cublas")
+
+
+def test_fp8_matmul_rejects_non_float8_and_bad_scales():
+    a8 = torch.zeros(3, 16).to(torch.float8_e4m3fn)
+    b8 = torch.zeros(16, 5).to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    with pytest.raises(TypeError, match=r"a\.dtype must be one of float8_e4m3fn"):
+        fp8_matmul(torch.zeros(3, 16, dtype=torch.bfloat16), b8, one, one)
+    with pytest.raises(TypeError, match="scale_a"):
+        fp8_matmul(a8, b8, one.half(), one)
+    with pytest.raises(ValueError, match=r"scale_b must have one element or shape \(1, 5\)"):
+        fp8_matmul(a8, b8, one, torch.ones(5))
+    with pytest.raises(ValueError, match="K mismatch"):
+        fp8_matmul(a8, b8.t(), one, one)
+
+
+def test_matmul_reference_backend_matches_reference(seed):
+    a, b = make_operands(7, 9, 11, torch.bfloat16, "cpu", seed)
+    bias = testing.randn(9, dtype=torch.bfloat16, seed=seed + 2)
+    out = matmul(a, b, bias=bias, activation="silu", backend="reference")
+    check(out, a, b, bias, "silu")
+
+
+def test_fp8_matmul_on_cpu_runs_reference_with_rowwise_scales(seed):
+    x = testing.randn(6, 32, seed=seed)
+    w = testing.randn(10, 32, seed=seed + 1)
+    xq, sx = quantize_fp8(x, "row")
+    wq, sw = quantize_fp8(w, "row")
+    out = fp8_matmul(xq, wq.t(), sx, sw.t(), out_dtype=torch.float32)
+    torch.testing.assert_close(out, reference.fp8_matmul(xq, wq.t(), sx, sw.t()).float(), rtol=1e-5, atol=1e-5)
+    # fp8 quantization error of x @ w^T: each operand within 2^-4 relative (e4m3 has 3 mantissa bits).
+    assert (out - x @ w.T).abs().max() < 0.15 * (x.abs() @ w.abs().T).max()
+
+
+def test_decode_shape_uses_split_k_under_the_interpreter_plan():
+    plan = ops._skinny_plan(1, 33, 70, 33 * 70 * 2, torch.device("cpu"), ops.INTERPRET_BLOCK)
+    assert plan.split_k > 1 and plan.k_per_split % ops.INTERPRET_BLOCK == 0
+    assert plan.split_k * plan.k_per_split >= 70 > (plan.split_k - 1) * plan.k_per_split
+
+
+# --- interpret tier: the real kernels on small odd shapes --------------------------------------
+
+SMALL_SHAPES = [(1, 33, 70), (17, 40, 45), (127, 50, 45)]  # decode + split-K, decode, prefill path
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m,n,k", SMALL_SHAPES)
+@pytest.mark.parametrize("a_layout,b_layout", [("row", "row"), ("row", "col"), ("col", "row"), ("col", "col")])
+def test_matmul_layouts_match_reference(kernel_device, seed, m, n, k, a_layout, b_layout):
+    a, b = make_operands(m, n, k, torch.float16, kernel_device, seed, a_layout, b_layout)
+    check(matmul(a, b, backend="triton"), a, b)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
+@pytest.mark.parametrize("m", [3, 70])
+def test_matmul_bias_activation_epilogue_matches_reference(kernel_device, seed, activation, m):
+    a, b = make_operands(m, 36, 40, torch.float16, kernel_device, seed, "row", "col")
+    a = a * 3  # reach the activations' nonlinear range
+    bias = testing.randn(36, dtype=torch.float16, device=kernel_device, seed=seed + 2)
+    check(matmul(a, b, bias=bias, activation=activation), a, b, bias, activation)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matmul_batched_strided_rows_and_out_dtype(kernel_device, seed, out_dtype):
+    a = testing.strided_rows(testing.randn(2, 3, 5, 40, dtype=torch.float16, device=kernel_device, seed=seed))
+    b = testing.randn(40, 24, dtype=torch.float16, device=kernel_device, seed=seed + 1, scale=0.2)
+    out = matmul(a, b, out_dtype=out_dtype)
+    assert out.shape == (2, 3, 5, 24)
+    check(out, a, b, out_dtype=out_dtype)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m,n,k", [(0, 8, 16), (5, 0, 16), (5, 8, 0)])
+def test_matmul_zero_size(kernel_device, m, n, k):
+    a = torch.ones(m, k, dtype=torch.float16, device=kernel_device)
+    b = torch.ones(k, n, dtype=torch.float16, device=kernel_device)
+    bias = torch.ones(n, dtype=torch.float16, device=kernel_device)
+    out = matmul(a, b, bias=bias)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, (a.float() @ b.float() + 1).half())
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("m", [4, 70])
+def test_matmul_backward_matches_reference(kernel_device, seed, activation, m):
+    a, b = make_operands(m, 24, 40, torch.float16, kernel_device, seed, "row", "col")
+    bias = testing.randn(24, dtype=torch.float16, device=kernel_device, seed=seed + 2)
+    dy = testing.randn(m, 24, dtype=torch.float16, device=kernel_device, seed=seed + 3)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (a, b, bias)]
+    grads = torch.autograd.grad(matmul(leaves[0], leaves[1], bias=leaves[2], activation=activation), leaves, dy)
+    refs = reference.matmul_backward(a, b, dy, bias, activation)
+    base_leaves = [t.detach().clone().float().requires_grad_(True) for t in (a, b, bias)]
+    z = (base_leaves[0].half() @ base_leaves[1].half()).float() + base_leaves[2]
+    base = torch.autograd.grad(TORCH_ACT[activation](z), base_leaves, dy.float())
+    for name, g, r, bl in zip(("da", "db", "dbias"), grads, refs, base, strict=True):
+        # The baseline rounds its float32 gradients to the input dtype, as the kernel's are.
+        testing.assert_close_to_reference(g, r, bl.to(g.dtype), factor=FACTOR, name=name)
+
+
+# --- gpu tier: LLM shapes, bf16, autotune, fp8, torch.compile ----------------------------------
+
+LLAMA_NK = [(4096, 4096), (14336, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 16, 64, 333, 4096])
+@pytest.mark.parametrize("n,k", LLAMA_NK)
+def test_matmul_llama_shapes_match_reference(seed, dtype, m, n, k):
+    if m == 4096 and k == 14336:
+        pytest.skip("covered by the 4096x4096 and 14336x4096 cases; keeps the GPU tier short")
+    a, b = make_operands(m, n, k, dtype, "cuda", seed, "row", "col")
+    check(matmul(a, b), a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [16, 1000])
+def test_matmul_gpu_epilogue_and_layouts(seed, dtype, m):
+    a, b = make_operands(m, 1000, 1032, dtype, "cuda", seed, "col", "row")
+    bias = testing.randn(1000, dtype=dtype, device="cuda", seed=seed + 2)
+    check(matmul(a, b, bias=bias, activation="gelu_tanh"), a, b, bias, "gelu_tanh")
+
+
+@pytest.mark.gpu
+def test_matmul_torch_compile_fullgraph_forward_and_backward(seed):
+    a, b = make_operands(64, 256, 512, torch.bfloat16, "cuda", seed, "row", "col")
+    bias = testing.randn(256, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    fn = torch.compile(lambda a, b, bias: matmul(a, b, bias=bias, activation="silu"), fullgraph=True)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (a, b, bias)]
+    out = fn(*leaves)
+    check(out, a, b, bias, "silu")
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    refs = reference.matmul_backward(a, b, torch.ones_like(out), bias, "silu")
+    for g, r in zip(grads, refs, strict=True):
+        rel = (g.double() - r).abs().max() / r.abs().max()
+        assert rel < 2e-2, rel
+
+
+def _fp8_ok():
+    return runtime.cuda_available() and runtime.device_info().capability >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 14336, 4096), (1000, 1000, 1024), (4096, 4096, 4096)])
+def test_fp8_matmul_matches_reference_and_scaled_mm(seed, granularity, m, n, k):
+    if not _fp8_ok():
+        pytest.skip("float8 needs compute capability >= 8.9")
+    x = testing.randn(m, k, device="cuda", seed=seed)
+    w = testing.randn(n, k, device="cuda", seed=seed + 1, scale=k**-0.5)
+    xq, sx = quantize_fp8(x, granularity)
+    wq, sw = quantize_fp8(w, granularity)
+    sw = sw.t() if granularity == "row" else sw
+    bias = testing.randn(n, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    out = fp8_matmul(xq, wq.t(), sx, sw, bias=bias)
+    ref = reference.fp8_matmul(xq, wq.t(), sx, sw, bias)
+    base = torch._scaled_mm(xq, wq.t(), sx.reshape(-1, 1) if sx.numel() > 1 else sx.reshape(()),
+                            sw if sw.numel() > 1 else sw.reshape(()), bias=bias, out_dtype=torch.bfloat16)
+    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name="fp8_matmul")
+
+
+@pytest.mark.gpu
+def test_fp8_matmul_torch_compile_fullgraph(seed):
+    if not _fp8_ok():
+        pytest.skip("float8 needs compute capability >= 8.9")
+    xq, sx = quantize_fp8(testing.randn(32, 512, device="cuda", seed=seed))
+    wq, sw = quantize_fp8(testing.randn(256, 512, device="cuda", seed=seed + 1))
+    out = torch.compile(fp8_matmul, fullgraph=True)(xq, wq.t(), sx, sw)
+    torch.testing.assert_close(out, fp8_matmul(xq, wq.t(), sx, sw), rtol=0, atol=0)

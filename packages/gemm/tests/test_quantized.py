@@ -1,0 +1,188 @@
+"""Weight-only int8 / int4 quantization: packing round trip, error bounds, quantized_matmul vs the
+dequantized reference, QuantizedLinear and patch_hf."""
+
+import pytest
+import torch
+from torch import nn
+
+from kernel_lab.gemm import Linear, QuantizedLinear, QuantizedWeight, patch_hf, quantize_weight, quantized_matmul
+from kernel_lab.shared import reference, testing
+
+# Factor 2 of the DESIGN.md rule. The baseline is x @ dequantize(w)^T in x's dtype: the kernel
+# multiplies the exact integer codes and applies the scale in float32, so it rounds less.
+FACTOR = 2.0
+
+
+def exact_weight(n, k, bits, group_size, symmetric, seed):
+    """A weight of the form (code - zero) * scale with power-of-two scales, each group reaching
+    both ends of the code range: quantize_weight must reproduce it exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    scales = 2.0 ** torch.randint(-8, -2, (n, groups, 1), generator=gen).float()
+    if symmetric:
+        qmax = 127 if bits == 8 else 7
+        codes = torch.randint(-qmax, qmax + 1, (n, groups, group_size), generator=gen)
+        codes[..., 0], codes[..., 1] = qmax, -qmax
+        return (codes * scales).reshape(n, k)
+    levels = (1 << bits) - 1
+    zeros = torch.randint(1, levels, (n, groups, 1), generator=gen)
+    codes = torch.randint(0, levels + 1, (n, groups, group_size), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, levels
+    return ((codes - zeros) * scales).reshape(n, k)
+
+
+# --- reference tier --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, None])
+def test_quantize_round_trip_is_exact_for_representable_weights(seed, bits, symmetric, group_size):
+    w = exact_weight(6, 64, bits, group_size or 64, symmetric, seed)
+    qw = quantize_weight(w, bits, group_size, symmetric)
+    assert torch.equal(qw.dequantize(), w)
+    assert qw.qdata.shape == ((6, 64) if bits == 8 else (6, 32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantization_error_is_within_half_a_step(seed, bits, symmetric):
+    """Round-to-nearest: |w - dequant(w)| <= scale / 2, plus two effects that can push the
+    extreme code past the range and clamp it: the scale is rounded to bfloat16 (relative error
+    <= 2^-9, i.e. <= q_range * 2^-9 steps at the extreme code) and, asymmetric only, the zero
+    point is rounded to an integer (<= 1/2 step)."""
+    w = testing.randn(8, 128, dtype=torch.bfloat16, seed=seed)
+    qw = quantize_weight(w, bits, 32, symmetric)
+    q_range = ((1 << (bits - 1)) - 1) if symmetric else ((1 << bits) - 1)
+    bound = 0.5 + (0.0 if symmetric else 0.5) + q_range * 2.0**-9
+    step = qw.scales.double().repeat_interleave(32, dim=1)
+    exact = reference.dequantize_weight(qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=32)
+    err = (exact - w.double()).abs()
+    assert (err <= step * bound).all(), (err / step).max()
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,minimum", [(8, None, 1.99), (8, 128, 1.95), (4, 128, 3.8), (4, None, 3.99)]
+)
+def test_compression_counts_scales(bits, group_size, minimum):
+    qw = quantize_weight(torch.randn(256, 4096, dtype=torch.bfloat16), bits, group_size)
+    assert qw.dense_nbytes == 256 * 4096 * 2
+    assert minimum <= qw.compression < (2.0 if bits == 8 else 4.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(bits=3), ValueError, "bits must be 4 or 8"),
+        (dict(group_size=48), ValueError, "multiple of 32"),
+        (dict(group_size=64), ValueError, r"must divide K = 96"),
+        (dict(group_size=0), ValueError, "multiple of 32"),
+    ],
+)
+def test_quantize_weight_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        quantize_weight(torch.zeros(4, 96), **kwargs)
+
+
+def test_quantize_int4_needs_even_k_and_float_weight():
+    with pytest.raises(ValueError, match="even K"):
+        quantize_weight(torch.zeros(4, 33), bits=4, group_size=None)
+    with pytest.raises(TypeError, match=r"w\.dtype"):
+        quantize_weight(torch.zeros(4, 32, dtype=torch.int8))
+
+
+def test_quantized_matmul_validation():
+    qw = quantize_weight(torch.randn(8, 64), 8, 32)
+    with pytest.raises(ValueError, match="K mismatch"):
+        quantized_matmul(torch.zeros(2, 32, dtype=torch.float16), qw)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        quantized_matmul(torch.zeros(2, 64, dtype=torch.float16), torch.zeros(8, 64))
+    with pytest.raises(TypeError, match=r"x\.dtype"):
+        quantized_matmul(torch.zeros(2, 64), qw)
+
+
+def test_quantized_matmul_reference_backend(seed):
+    x = testing.randn(3, 64, dtype=torch.bfloat16, seed=seed)
+    qw = quantize_weight(testing.randn(8, 64, seed=seed + 1), 4, 32, symmetric=False)
+    out = quantized_matmul(x, qw, backend="reference")
+    ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=4, group_size=32)
+    testing.assert_close_to_reference(out, ref, x @ qw.dequantize().to(x.dtype).T, factor=FACTOR)
+
+
+# --- interpret tier ----------------------------------------------------------------------------
+
+
+def check_quantized(x, qw, bias=None):
+    out = quantized_matmul(x, qw, bias=bias, backend="triton")
+    ref = reference.quantized_matmul(
+        x, qw.qdata, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size, bias=bias
+    )
+    base = x @ qw.dequantize().to(x.dtype).T
+    if bias is not None:
+        base = base + bias
+    assert out.dtype == x.dtype
+    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=f"int{qw.bits} matmul")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, None])
+@pytest.mark.parametrize("m", [3, 70])
+def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bits, symmetric, group_size, m):
+    x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed)
+    w = testing.randn(40, 96, seed=seed + 1, scale=0.1)
+    qw = quantize_weight(w, bits, group_size, symmetric)
+    qw = QuantizedWeight(
+        qw.qdata.to(kernel_device), qw.scales.to(kernel_device),
+        None if qw.zeros is None else qw.zeros.to(kernel_device), qw.bits, qw.group_size, qw.shape, qw.dtype,
+    )
+    bias = testing.randn(40, dtype=torch.float16, device=kernel_device, seed=seed + 2) if m == 3 else None
+    check_quantized(x, qw, bias)
+
+
+@pytest.mark.interpret
+def test_quantized_linear_module_and_strided_batched_input(kernel_device, seed):
+    lin = nn.Linear(64, 24).to(kernel_device, torch.float16)
+    q = QuantizedLinear.from_linear(lin, bits=4, group_size=32)
+    x = testing.strided_rows(testing.randn(2, 5, 64, dtype=torch.float16, device=kernel_device, seed=seed))
+    out = q(x)
+    assert out.shape == (2, 5, 24)
+    check_quantized(x.reshape(10, 64), q.qweight, lin.bias.detach())
+    assert "bits=4" in repr(q) and q.compression > 3
+
+
+@pytest.mark.interpret
+def test_patch_hf_replaces_linears(kernel_device, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(kernel_device, torch.float16)
+    model.lm_head = nn.Linear(16, 8).to(kernel_device, torch.float16)
+    x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed)
+    expected = model[2](model[1](model[0](x)))
+    assert patch_hf(model) == 2
+    assert isinstance(model[0], Linear) and type(model.lm_head) is nn.Linear
+    out = model[2](model[1](model[0](x)))
+    testing.assert_close_to_reference(out, reference.matmul(model[1](model[0](x)), model[2].weight.t(), model[2].bias),
+                                      expected, factor=FACTOR)
+    assert patch_hf(model, bits=8) == 0  # Linear subclasses are not replaced twice
+
+
+# --- gpu tier ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group_size", [(8, None), (8, 128), (4, 128)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096)])
+def test_quantized_matmul_llama_shapes(seed, bits, group_size, m, n, k):
+    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed)
+    w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 1, scale=k**-0.5)
+    check_quantized(x, quantize_weight(w, bits, group_size))
+
+
+@pytest.mark.gpu
+def test_quantized_matmul_torch_compile_fullgraph(seed):
+    x = testing.randn(8, 512, dtype=torch.bfloat16, device="cuda", seed=seed)
+    qw = quantize_weight(testing.randn(256, 512, dtype=torch.bfloat16, device="cuda", seed=seed + 1), 4, 128)
+    out = torch.compile(lambda x: quantized_matmul(x, qw), fullgraph=True)(x)
+    torch.testing.assert_close(out, quantized_matmul(x, qw), rtol=0, atol=0)

@@ -1,0 +1,99 @@
+"""rms_norm_linear (RMSNorm fused into the GEMM) against the unfused float64 reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_lab.gemm import RMSNormLinear, rms_norm_linear
+from kernel_lab.shared import reference, testing
+
+# Factor 2 of the DESIGN.md rule; the baseline is the unfused same-precision pair (HF's RMSNorm:
+# normalise in float32, round to x's dtype, multiply by the weight, then the linear).
+FACTOR = 2.0
+
+
+def unfused_baseline(x, g, w, eps, bias=None):
+    xf = x.float()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * g.to(x.dtype)
+    return F.linear(h, w, bias)
+
+
+def check(x, g, w, eps=1e-6, bias=None):
+    out = rms_norm_linear(x, g, w, eps=eps, bias=bias)
+    ref = reference.rms_norm_linear(x, g, w, eps, bias)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    testing.assert_close_to_reference(out, ref, unfused_baseline(x, g, w, eps, bias), factor=FACTOR,
+                                      name="rms_norm_linear")
+
+
+def test_rms_norm_linear_validation():
+    x = torch.zeros(2, 8, dtype=torch.float16)
+    g = torch.ones(8, dtype=torch.float16)
+    w = torch.zeros(4, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="K mismatch"):
+        rms_norm_linear(x, torch.ones(7, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="K mismatch"):
+        rms_norm_linear(x, g, torch.zeros(4, 9, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"weight\.dtype must equal"):
+        rms_norm_linear(x, g, w.bfloat16())
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm_linear(x, g, w, eps=0.0)
+    with pytest.raises(TypeError, match=r"x\.dtype"):
+        rms_norm_linear(x.float(), g, w)
+
+
+def test_rms_norm_linear_reference_backend(seed):
+    x = testing.randn(3, 24, dtype=torch.bfloat16, seed=seed)
+    g = testing.randn(24, dtype=torch.bfloat16, seed=seed + 1)
+    w = testing.randn(5, 24, dtype=torch.bfloat16, seed=seed + 2)
+    out = rms_norm_linear(x, g, w, backend="reference")
+    testing.assert_close_to_reference(out, reference.rms_norm_linear(x, g, w), unfused_baseline(x, g, w, 1e-6),
+                                      factor=FACTOR)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m", [1, 5, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, with_bias):
+    x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
+    g = testing.randn(96, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    w = testing.randn(50, 96, dtype=torch.float16, device=kernel_device, seed=seed + 2, scale=0.1)
+    bias = testing.randn(50, dtype=torch.float16, device=kernel_device, seed=seed + 3) if with_bias else None
+    check(x, g, w, 1e-5, bias)
+
+
+@pytest.mark.interpret
+def test_rms_norm_linear_strided_batched_input_and_module(kernel_device, seed):
+    x = testing.strided_rows(testing.randn(2, 3, 40, dtype=torch.float16, device=kernel_device, seed=seed))
+    norm = torch.nn.RMSNorm(40, eps=1e-5).to(kernel_device, torch.float16)
+    with torch.no_grad():
+        norm.weight.copy_(testing.randn(40, dtype=torch.float16, seed=seed + 1))
+    lin = torch.nn.Linear(40, 20, bias=False).to(kernel_device, torch.float16)
+    fused = RMSNormLinear.from_modules(norm, lin)
+    assert fused.eps == 1e-5
+    out = fused(x)
+    assert out.shape == (2, 3, 20)
+    testing.assert_close_to_reference(
+        out, reference.rms_norm_linear(x, norm.weight, lin.weight, 1e-5), lin(norm(x)).detach(), factor=FACTOR
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
+@pytest.mark.parametrize("n", [4096, 14336])
+def test_rms_norm_linear_llama_shapes(seed, dtype, m, n):
+    k = 4096
+    x = testing.randn(m, k, dtype=dtype, device="cuda", seed=seed, scale=3.0)
+    g = testing.randn(k, dtype=dtype, device="cuda", seed=seed + 1)
+    w = testing.randn(n, k, dtype=dtype, device="cuda", seed=seed + 2, scale=k**-0.5)
+    check(x, g, w)
+
+
+@pytest.mark.gpu
+def test_rms_norm_linear_torch_compile_fullgraph(seed):
+    x = testing.randn(16, 512, dtype=torch.bfloat16, device="cuda", seed=seed)
+    g = testing.randn(512, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    w = testing.randn(256, 512, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    out = torch.compile(lambda x: rms_norm_linear(x, g, w), fullgraph=True)(x)
+    torch.testing.assert_close(out, rms_norm_linear(x, g, w), rtol=0, atol=0)
