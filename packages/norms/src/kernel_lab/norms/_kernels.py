@@ -1,0 +1,433 @@
+"""Triton kernels of RMSNorm (plain, residual-fused, gated) and LayerNorm over the last dim of
+a (n_rows, n_cols) view whose columns have unit stride and rows any stride.
+
+Forward, one kernel per family:
+- `_rms_norm_fwd_kernel`: y = x * rstd * (offset + w) [* silu(gate)], with u = x + residual
+  written on the way when HAS_RESIDUAL; rstd per row is saved for the backward.
+- `_layer_norm_fwd_kernel`: y = (x - mean) * rstd * w + b; mean and rstd saved.
+Each runs in one of two shapes (ONE_TILE): a row that fits in registers is read once, BLOCK_M
+rows per program; a longer row is looped over twice, one row per program (statistics, then
+output; the second read is served mostly from L2, as only one row per program is in flight).
+
+Backward, two kernels per family:
+- `*_bwd_kernel`: a row fits in registers. A persistent grid (a few programs per SM) walks
+  row blocks; each program keeps its share of dweight (and dbias) in registers and writes one
+  row of a (n_programs, n_cols) float32 buffer of partial sums at the end, which the launcher
+  reduces with one sum: no atomics, and the buffer is small next to the inputs.
+- `*_bwd_wide_kernel`: a row too long for registers. Each program owns a contiguous block of
+  rows. Phase 1 computes each row's reductions (the "dot" terms of the dx formula) into a
+  small float32 buffer; phase 2 walks column chunks and, within a chunk, the block's rows, so
+  that chunk's dweight partial stays in registers. x and dy are read twice (10 instead of 6
+  bytes per bf16 element): the price of a dweight without atomics or L2-sized scratch.
+
+All statistics and sums are float32 whatever the input dtype; masked lanes load 0 so that they
+add nothing to any sum.
+"""
+
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm family: y = x * rstd * (offset + w) [* silu(gate)], rstd = 1 / sqrt(mean(x^2) + eps)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_load_input(
+    x_ptr, res_ptr, u_ptr, rows, cols, mask,
+    stride_x_row, stride_res_row, stride_u_row,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_U: tl.constexpr,  # write u = x + residual (the first pass over the row only)
+):
+    """The [BLOCK_M, BLOCK_N] tile the norm is taken of, in float32: x, or x + residual."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
+        x += r.to(tl.float32)
+        if STORE_U:
+            u_ptrs = u_ptr + rows[:, None] * stride_u_row + cols[None, :]
+            tl.store(u_ptrs, x.to(u_ptr.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
+def _rms_store_output(
+    x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
+    stride_gate_row, stride_y_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
+    """y = x * rstd * (offset + w) * silu(gate), stored in y's dtype."""
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y = y * (offset + w)[None, :]
+    if HAS_GATE:
+        z = tl.load(gate_ptr + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+    tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, res_ptr, gate_ptr, w_ptr,  # inputs; res/gate/w are unused unless their flag is set
+    y_ptr, u_ptr, rstd_ptr,  # outputs: y, u = x + residual (HAS_RESIDUAL), rstd (n_rows,) f32
+    n_rows, n_cols, eps, offset,
+    stride_x_row, stride_res_row, stride_gate_row, stride_y_row, stride_u_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # BLOCK_N >= n_cols: the row is held in registers, read once
+    BLOCK_M: tl.constexpr,  # rows per program (1 unless ONE_TILE)
+    BLOCK_N: tl.constexpr,  # columns per tile: next power of two >= n_cols, or the loop step
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    if ONE_TILE:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
+                            stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
+                          stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
+    else:
+        # elementwise accumulation, one tree reduction at the end: better rounding than
+        # reducing each chunk to a scalar and adding scalars
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for off in range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
+                                stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        for off in range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            # re-add x + residual rather than re-read the rounded u: the same float32 values
+            # as the one-tile path, so the result does not depend on the row length
+            x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
+                                stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False)
+            _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
+                              stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_bwd_terms(
+    dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd, n_cols, offset,
+    stride_dy_row, stride_x_row, stride_gate_row, stride_dgate_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    STORE_DGATE: tl.constexpr,  # write dgate (the first pass over the row only)
+):
+    """(xhat, dn, g) of one tile: xhat = x * rstd, dn = the gradient reaching the normalized
+    value before the weight (dy, times silu(gate) when gated), g = dn * (offset + w).
+    Gated: dgate = dy * xhat * (offset + w) * s * (1 + z * (1 - s)), s = sigmoid(z)."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dn = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    dn = dn.to(tl.float32)
+    xhat = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = (offset + tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32))[None, :]
+    else:
+        w = tl.full([1, 1], 1.0, tl.float32)
+    if HAS_GATE:
+        z = tl.load(gate_ptr + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        s = tl.sigmoid(z)
+        if STORE_DGATE:
+            dz = dn * xhat * w * s * (1.0 + z * (1.0 - s))
+            tl.store(dgate_ptr + rows[:, None] * stride_dgate_row + cols[None, :],
+                     dz.to(dgate_ptr.dtype.element_ty), mask=mask)
+        dn = dn * z * s
+    return xhat, dn, dn * w
+
+
+@triton.jit
+def _rms_store_dx(
+    xhat, g, dot, rstd, du_ptr, dx_ptr, rows, cols, mask,
+    stride_du_row, stride_dx_row,
+    HAS_DU: tl.constexpr,
+):
+    """dx = rstd * (g - xhat * dot) [+ du], dot = mean(g * xhat) over the row."""
+    dx = (g - xhat * dot[:, None]) * rstd[:, None]
+    if HAS_DU:
+        du = tl.load(du_ptr + rows[:, None] * stride_du_row + cols[None, :], mask=mask, other=0.0)
+        dx += du.to(tl.float32)
+    tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, gate_ptr, w_ptr, rstd_ptr, du_ptr,  # x: the normalized input (u if residual)
+    dx_ptr, dgate_ptr, dw_partial_ptr,  # dw_partial: (n_programs, n_cols) float32
+    n_rows, n_cols, offset,
+    stride_dy_row, stride_x_row, stride_gate_row, stride_du_row, stride_dx_row, stride_dgate_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_DU: tl.constexpr,  # add the incoming gradient of u = x + residual to dx
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
+                                     n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
+                                     stride_dgate_row, HAS_WEIGHT, HAS_GATE, True)
+        dot = tl.sum(g * xhat, axis=1) / n_cols
+        _rms_store_dx(xhat, g, dot, rstd, du_ptr, dx_ptr, rows, cols, mask, stride_du_row, stride_dx_row, HAS_DU)
+        if HAS_WEIGHT:
+            dw_acc += dn * xhat
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def _rms_norm_bwd_wide_kernel(
+    dy_ptr, x_ptr, gate_ptr, w_ptr, rstd_ptr, du_ptr,
+    dx_ptr, dgate_ptr, dw_partial_ptr, dot_ptr,  # dot: (n_rows,) float32 scratch
+    n_rows, n_cols, offset, rows_per_program,
+    stride_dy_row, stride_x_row, stride_gate_row, stride_du_row, stride_dx_row, stride_dgate_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_DU: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per loop step
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    # phase 1: each row's dot = mean(g * xhat); dgate needs no dot and is written here
+    for row in tl.range(row_start, row_end):
+        rows = row + tl.arange(0, 1)
+        rstd = tl.load(rstd_ptr + rows)
+        acc = tl.zeros([1, BLOCK_N], tl.float32)
+        for off in tl.range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = (cols < n_cols)[None, :]
+            xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
+                                         n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
+                                         stride_dgate_row, HAS_WEIGHT, HAS_GATE, True)
+            acc += g * xhat
+        tl.store(dot_ptr + rows, tl.sum(acc, axis=1) / n_cols)
+    # phase 2: column chunks outside, the block's rows inside: dweight of a chunk in registers
+    for off in tl.range(0, n_cols, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < n_cols)[None, :]
+        dw_acc = tl.zeros([1, BLOCK_N], tl.float32)
+        for row in tl.range(row_start, row_end):
+            rows = row + tl.arange(0, 1)
+            rstd = tl.load(rstd_ptr + rows)
+            xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
+                                         n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
+                                         stride_dgate_row, HAS_WEIGHT, HAS_GATE, False)
+            dot = tl.load(dot_ptr + rows)
+            _rms_store_dx(xhat, g, dot, rstd, du_ptr, dx_ptr, rows, cols, mask,
+                          stride_du_row, stride_dx_row, HAS_DU)
+            if HAS_WEIGHT:
+                dw_acc += dn * xhat
+        if HAS_WEIGHT:
+            tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0),
+                     mask=cols < n_cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var + eps), biased variance
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_store_output(
+    x, mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask, n_cols, stride_y_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    y = (x - mean[:, None]) * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr,
+    y_ptr, mean_ptr, rstd_ptr,  # mean, rstd: (n_rows,) float32
+    n_rows, n_cols, eps,
+    stride_x_row, stride_y_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    if ONE_TILE:
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        # two passes over registers: the variance of the centred values, never E[x^2] - E[x]^2
+        # (which cancels catastrophically when |mean| >> std)
+        mean = tl.sum(x, axis=1) / n_cols
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / n_cols
+        rstd = tl.rsqrt(var + eps)
+        _layer_norm_store_output(x, mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask, n_cols,
+                                 stride_y_row, HAS_WEIGHT, HAS_BIAS)
+    else:
+        # one pass of chunk statistics merged with Chan et al.'s parallel Welford update:
+        # each chunk contributes its own mean and centred sum of squares (m2)
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        m2 = tl.zeros([BLOCK_M], tl.float32)
+        for off in range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            n_seen = off * 1.0  # every earlier chunk was full
+            n_chunk = tl.minimum(n_cols - off, BLOCK_N) * 1.0
+            chunk_mean = tl.sum(x, axis=1) / n_chunk
+            xc = tl.where(mask, x - chunk_mean[:, None], 0.0)
+            delta = chunk_mean - mean
+            n_total = n_seen + n_chunk
+            mean += delta * (n_chunk / n_total)
+            m2 += tl.sum(xc * xc, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
+        rstd = tl.rsqrt(m2 / n_cols + eps)
+        for off in range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+            _layer_norm_store_output(x.to(tl.float32), mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask,
+                                     n_cols, stride_y_row, HAS_WEIGHT, HAS_BIAS)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_terms(
+    dy_ptr, x_ptr, w_ptr, rows, cols, mask, mean, rstd, n_cols,
+    stride_dy_row, stride_x_row,
+    HAS_WEIGHT: tl.constexpr,
+):
+    """(xhat, dy, g) of one tile: xhat = (x - mean) * rstd (0 on masked lanes), g = dy * w."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    dy = dy.to(tl.float32)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_WEIGHT:
+        g = dy * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    else:
+        g = dy
+    return xhat, dy, g
+
+
+@triton.jit
+def _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row):
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat))."""
+    dx = (g - dot_g[:, None] - xhat * dot_gx[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
+    dx_ptr, dw_partial_ptr, db_partial_ptr,  # partials: (n_programs, n_cols) float32
+    n_rows, n_cols,
+    stride_dy_row, stride_x_row, stride_dx_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat, dy, g = _layer_norm_bwd_terms(dy_ptr, x_ptr, w_ptr, rows, cols, mask, mean, rstd, n_cols,
+                                            stride_dy_row, stride_x_row, HAS_WEIGHT)
+        dot_g = tl.sum(g, axis=1) / n_cols
+        dot_gx = tl.sum(g * xhat, axis=1) / n_cols
+        _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+    out = pid.to(tl.int64) * n_cols + cols
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def _layer_norm_bwd_wide_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
+    dx_ptr, dw_partial_ptr, db_partial_ptr, dot_ptr,  # dot: (n_rows, 2) float32 scratch
+    n_rows, n_cols, rows_per_program,
+    stride_dy_row, stride_x_row, stride_dx_row,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    # phase 1: each row's mean(g) and mean(g * xhat)
+    for row in tl.range(row_start, row_end):
+        rows = row + tl.arange(0, 1)
+        mean = tl.load(mean_ptr + rows)
+        rstd = tl.load(rstd_ptr + rows)
+        acc_g = tl.zeros([1, BLOCK_N], tl.float32)
+        acc_gx = tl.zeros([1, BLOCK_N], tl.float32)
+        for off in tl.range(0, n_cols, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = (cols < n_cols)[None, :]
+            xhat, dy, g = _layer_norm_bwd_terms(dy_ptr, x_ptr, w_ptr, rows, cols, mask, mean, rstd, n_cols,
+                                                stride_dy_row, stride_x_row, HAS_WEIGHT)
+            acc_g += g
+            acc_gx += g * xhat
+        tl.store(dot_ptr + 2 * rows, tl.sum(acc_g, axis=1) / n_cols)
+        tl.store(dot_ptr + 2 * rows + 1, tl.sum(acc_gx, axis=1) / n_cols)
+    # phase 2: column chunks outside, rows inside
+    for off in tl.range(0, n_cols, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < n_cols)[None, :]
+        dw_acc = tl.zeros([1, BLOCK_N], tl.float32)
+        db_acc = tl.zeros([1, BLOCK_N], tl.float32)
+        for row in tl.range(row_start, row_end):
+            rows = row + tl.arange(0, 1)
+            mean = tl.load(mean_ptr + rows)
+            rstd = tl.load(rstd_ptr + rows)
+            xhat, dy, g = _layer_norm_bwd_terms(dy_ptr, x_ptr, w_ptr, rows, cols, mask, mean, rstd, n_cols,
+                                                stride_dy_row, stride_x_row, HAS_WEIGHT)
+            dot_g = tl.load(dot_ptr + 2 * rows)
+            dot_gx = tl.load(dot_ptr + 2 * rows + 1)
+            _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
+            if HAS_WEIGHT:
+                dw_acc += dy * xhat
+            if HAS_BIAS:
+                db_acc += dy
+        out = pid.to(tl.int64) * n_cols + cols
+        if HAS_WEIGHT:
+            tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+        if HAS_BIAS:
+            tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)

@@ -1,0 +1,599 @@
+"""rms_norm / layer_norm / residual_rms_norm / rms_norm_gated: input checks, launchers,
+torch.library ops and autograd.
+
+Call path: a public op checks its inputs, then
+- in eager mode calls the launchers directly (no custom-op dispatch: a custom op costs tens of
+  microseconds per call, longer than the kernel on small inputs), through an
+  `autograd.Function` when a gradient is needed;
+- under torch.compile calls `torch.ops.kernel_lab.rms_norm_fwd` / `layer_norm_fwd`,
+  `triton_op`s whose backward (`rms_norm_bwd` / `layer_norm_bwd`) is registered with
+  `register_autograd`, so the graph has no break.
+Both paths run the same launchers. The three RMSNorm variants share one forward and one
+backward launcher (flags select residual and gate), LayerNorm has its own pair.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    _layer_norm_bwd_kernel,
+    _layer_norm_bwd_wide_kernel,
+    _layer_norm_fwd_kernel,
+    _rms_norm_bwd_kernel,
+    _rms_norm_bwd_wide_kernel,
+    _rms_norm_fwd_kernel,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Longest row held in registers in one pass. 16384 float32 values over 32 warps is 16 values
+# per thread; longer rows loop over the row twice (second read from L2).
+FWD_MAX_FUSED_COLS = 16384
+# The backward holds x, dy and the dweight accumulator (the weight is re-read from L1 per row
+# to save registers): 3 x 16 values per thread at 16384 columns and 32 warps.
+BWD_MAX_FUSED_COLS = 16384
+# Elements one program of a one-tile kernel handles: short rows are batched BLOCK_M at a time
+# so that each program still moves enough bytes to hide its reduction latency.
+ROWS_TILE = 4096
+# Columns per loop step of the looped forward and the wide backward (8 KiB of bf16).
+LOOP_BLOCK_N = 4096
+LOOP_NUM_WARPS = 8
+# Resident warps a persistent backward program aims for per SM: 32 of the 64 an SM can hold,
+# enough to keep loads in flight while leaving registers for the 2D tiles.
+BWD_WARPS_PER_SM = 32
+# Programs per SM of the wide backward: each owns a contiguous block of rows.
+WIDE_PROGRAMS_PER_SM = 4
+# The interpreter has no SMs; a small stand-in still exercises several programs on the CPU.
+INTERPRET_SM_COUNT = 4
+
+
+def _sm_count(device: torch.device) -> int:
+    return runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """How a one-tile kernel covers the rows: BLOCK_M rows of BLOCK_N columns per program."""
+
+    one_tile: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def _tile(n_rows: int, n_cols: int, max_fused_cols: int) -> _Tile:
+    if n_cols > max_fused_cols:
+        return _Tile(False, 1, LOOP_BLOCK_N, LOOP_NUM_WARPS)
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
+    # about 16 elements per thread, 4 to 32 warps
+    num_warps = min(32, max(4, block_m * block_n // 512))
+    return _Tile(True, block_m, block_n, num_warps)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as (rows, hidden) with unit column stride: a view whenever the layout allows
+    one (e.g. padded rows), a copy otherwise."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _reduce_partial(partial: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum the (n_programs, n_cols) float32 partials into a gradient of `like`'s dtype."""
+    if partial is None or like is None:
+        return None
+    return partial.sum(0).to(like.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Launcher of the RMSNorm family. Returns (y, u, rstd): y like x; u = x + residual (None
+    without residual); rstd of each row, float32 (x.numel() // hidden,). Assumes checked inputs.
+    """
+    n_cols = x.shape[-1]
+    if runtime.backend(x) == "reference":
+        xf = x.float() if residual is None else x.float() + residual.float()
+        rstd = torch.rsqrt(xf.square().mean(-1) + eps).reshape(-1)
+        if gate is not None:
+            y = reference.rms_norm_gated(xf, gate, weight, eps, compute_dtype=torch.float32)
+        else:
+            y = reference.rms_norm(xf, weight, eps, offset=offset, compute_dtype=torch.float32)
+        return y.to(x.dtype), None if residual is None else xf.to(x.dtype), rstd
+    x2 = _as_rows(x)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    u = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, u, rstd.fill_(1 / math.sqrt(eps))
+    y2 = y.view(-1, n_cols)
+    r2 = x2 if residual is None else _as_rows(residual)
+    z2 = x2 if gate is None else _as_rows(gate)
+    u2 = y2 if u is None else u.view(-1, n_cols)
+    t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
+    wrap_triton(_rms_norm_fwd_kernel)[(triton.cdiv(n_rows, t.block_m),)](
+        x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
+        n_rows, n_cols, eps, offset,
+        x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+    )
+    return y, u, rstd
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    du: torch.Tensor | None,
+    xn: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward launcher of the RMSNorm family. xn: the normalized input (x, or u = x +
+    residual); du: the gradient of u (residual variant, None if u was unused).
+    Returns (dxn, dgate, dweight); dxn is the gradient of x and of residual alike."""
+    n_cols = xn.shape[-1]
+    if runtime.backend(xn) == "reference":
+        dgate = None
+        if gate is not None:
+            dx, dgate, dw = reference.rms_norm_gated_backward(dy, xn, gate, weight, eps,
+                                                              compute_dtype=torch.float32)
+            dgate = dgate.to(gate.dtype)
+        else:
+            dx, dw = reference.rms_norm_backward(dy, xn, weight, eps, offset=offset, compute_dtype=torch.float32)
+        if du is not None:
+            dx = dx + du.float()
+        return dx.to(xn.dtype), dgate, None if dw is None else dw.to(weight.dtype)
+    dx = torch.empty(xn.shape, dtype=xn.dtype, device=xn.device)
+    dgate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if dx.numel() == 0:
+        return dx, dgate, None if weight is None else torch.zeros_like(weight)
+    x2, dy2 = _as_rows(xn), _as_rows(dy)
+    n_rows = x2.shape[0]
+    dx2 = dx.view(-1, n_cols)
+    z2 = x2 if gate is None else _as_rows(gate)
+    dz2 = dx2 if dgate is None else dgate.view(-1, n_cols)
+    du2 = dx2 if du is None else _as_rows(du)
+    w = x2 if weight is None else weight
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
+    strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
+    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS)
+    sms = _sm_count(xn.device)
+    if t.one_tile:
+        n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
+        partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
+        wrap_triton(_rms_norm_bwd_kernel)[(n_programs,)](
+            dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
+            n_rows, n_cols, offset, *strides, **flags,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+        )
+    else:
+        rows_per_program = triton.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+        n_programs = triton.cdiv(n_rows, rows_per_program)
+        partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
+        dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
+        wrap_triton(_rms_norm_bwd_wide_kernel)[(n_programs,)](
+            dy2, x2, z2, w, rstd, du2, dx2, dz2, partial, dot,
+            n_rows, n_cols, offset, rows_per_program, *strides, **flags,
+            BLOCK_N=t.block_n, num_warps=t.num_warps,
+        )
+    return dx, dgate, _reduce_partial(partial, weight)
+
+
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of LayerNorm. Returns (y, mean, rstd); mean and rstd per row, float32."""
+    n_cols = x.shape[-1]
+    if runtime.backend(x) == "reference":
+        xf = x.float()
+        mean = xf.mean(-1)
+        rstd = torch.rsqrt((xf - mean[..., None]).square().mean(-1) + eps)
+        y = reference.layer_norm(xf, weight, bias, eps, compute_dtype=torch.float32)
+        return y.to(x.dtype), mean.reshape(-1), rstd.reshape(-1)
+    x2 = _as_rows(x)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
+    y2 = y.view(-1, n_cols)
+    t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
+    wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(n_rows, t.block_m),)](
+        x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
+        n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward launcher of LayerNorm: (dx, dweight, dbias); `bias` only says whether dbias is
+    wanted (its values are not needed)."""
+    n_cols = x.shape[-1]
+    if runtime.backend(x) == "reference":
+        dx, dw, db = reference.layer_norm_backward(dy, x, weight, bias, eps, compute_dtype=torch.float32)
+        return (dx.to(x.dtype), None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        zeros = lambda p: None if p is None else torch.zeros_like(p)
+        return dx, zeros(weight), zeros(bias)
+    x2, dy2 = _as_rows(x), _as_rows(dy)
+    n_rows = x2.shape[0]
+    dx2 = dx.view(-1, n_cols)
+    w = x2 if weight is None else weight
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
+    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS)
+    sms = _sm_count(x.device)
+    if t.one_tile:
+        n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
+    else:
+        rows_per_program = triton.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+        n_programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    if t.one_tile:
+        wrap_triton(_layer_norm_bwd_kernel)[(n_programs,)](
+            dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
+            n_rows, n_cols, *strides, **flags,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+        )
+    else:
+        dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
+        wrap_triton(_layer_norm_bwd_wide_kernel)[(n_programs,)](
+            dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial, dot,
+            n_rows, n_cols, rows_per_program, *strides, **flags,
+            BLOCK_N=t.block_n, num_warps=t.num_warps,
+        )
+    return dx, _reduce_partial(dw_partial, weight), _reduce_partial(db_partial, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration: what torch.compile sees. Custom ops cannot return None, so an
+# absent output (u without residual, dgate without gate, ...) is an empty tensor.
+# ---------------------------------------------------------------------------------------------
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device) if t is None else t
+
+
+def _or_none(t: torch.Tensor, wanted: bool) -> torch.Tensor | None:
+    return t if wanted else None
+
+
+@triton_op("kernel_lab::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, u, rstd = rms_norm_fwd(x, residual, gate, weight, eps, offset)
+    return y, _or_empty(u, x), rstd
+
+
+@triton_op("kernel_lab::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor,
+    du: torch.Tensor | None,
+    xn: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dgate, dw = rms_norm_bwd(dy, du, xn, gate, weight, rstd, eps, offset)
+    return dx, _or_empty(dgate, xn), _or_empty(dw, xn)
+
+
+def _rms_setup_context(ctx, inputs, output):
+    x, residual, gate, weight, ctx.eps, ctx.offset = inputs
+    _, u, rstd = output
+    ctx.has_residual, ctx.has_gate, ctx.has_weight = residual is not None, gate is not None, weight is not None
+    ctx.save_for_backward(u if ctx.has_residual else x, gate, weight, rstd)
+
+
+def _rms_op_backward(ctx, dy, du, _drstd):
+    xn, gate, weight, rstd = ctx.saved_tensors
+    du = du if ctx.has_residual else None
+    dx, dgate, dw = torch.ops.kernel_lab.rms_norm_bwd(dy, du, xn, gate, weight, rstd, ctx.eps, ctx.offset)
+    return (dx, _or_none(dx, ctx.has_residual), _or_none(dgate, ctx.has_gate),
+            _or_none(dw, ctx.has_weight), None, None)
+
+
+_rms_norm_fwd_op.register_autograd(_rms_op_backward, setup_context=_rms_setup_context)
+
+
+@triton_op("kernel_lab::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x, weight, bias, eps)
+
+
+@triton_op("kernel_lab::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps)
+    return dx, _or_empty(dw, x), _or_empty(db, x)
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, ctx.eps = inputs
+    _, mean, rstd = output
+    ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _layer_norm_op_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.kernel_lab.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.eps)
+    return dx, _or_none(dw, ctx.has_weight), _or_none(db, ctx.has_bias), None
+
+
+_layer_norm_fwd_op.register_autograd(_layer_norm_op_backward, setup_context=_layer_norm_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager autograd: the same launchers without custom-op dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, gate, weight, eps, offset):
+        y, u, rstd = rms_norm_fwd(x, residual, gate, weight, eps, offset)
+        ctx.eps, ctx.offset = eps, offset
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(u if ctx.has_residual else x, gate, weight, rstd)
+        # gradients of unused outputs arrive as None instead of zero tensors: no extra read
+        ctx.set_materialize_grads(False)
+        return y, _or_empty(u, x)
+
+    @staticmethod
+    def backward(ctx, dy, du):
+        xn, gate, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(xn)
+        du = du if ctx.has_residual else None
+        dx, dgate, dw = rms_norm_bwd(dy, du, xn, gate, weight, rstd, ctx.eps, ctx.offset)
+        return dx, (dx if ctx.has_residual else None), dgate, dw, None, None
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.eps)
+        return dx, dw, db, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks and the public ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_float_tensor(t, arg: str, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: {arg}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def _check(
+    name: str,
+    x: torch.Tensor,
+    params: dict[str, torch.Tensor | None],
+    same_as_x: dict[str, torch.Tensor],
+    eps,
+    backend: str | None,
+    offset=0.0,
+) -> tuple[float, float]:
+    """Validate a norm's arguments; return (eps, offset) as floats.
+
+    params: per-feature tensors (weight, bias) that must be None or of shape (hidden,);
+    same_as_x: tensors (residual, gate) that must match x's shape, dtype and device."""
+    _check_float_tensor(x, "x", name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: x must have at least one dim (..., hidden), got a 0-d tensor")
+    hidden = x.shape[-1]
+    for arg, p in params.items():
+        if p is None:
+            continue
+        _check_float_tensor(p, arg, name)
+        if p.shape != (hidden,):
+            raise ValueError(f"{name}: {arg} must have shape ({hidden},) to match x's last dim, "
+                             f"got {tuple(p.shape)}")
+        if p.device != x.device:
+            raise ValueError(f"{name}: {arg} is on {p.device} but x is on {x.device}")
+    for arg, t in same_as_x.items():
+        _check_float_tensor(t, arg, name)
+        if t.shape != x.shape:
+            raise ValueError(f"{name}: {arg} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: {arg}.dtype must equal x.dtype ({x.dtype}), got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but x is on {x.device}")
+    for arg, v in (("eps", eps), ("offset", offset)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name}: {arg} must be a float, got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name}: {arg} must be finite, got {v}")
+    if eps <= 0:
+        raise ValueError(f"{name}: eps must be > 0 (it keeps 1/sqrt(. + eps) finite), got {eps}")
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not runtime.uses_triton(x):
+        raise ValueError(
+            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); x is on {x.device} and would run the PyTorch reference"
+        )
+    return float(eps), float(offset)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _rms_dispatch(x, residual, gate, weight, eps, offset):
+    """(y, u) of the RMSNorm family through the compile-, autograd- or plain launcher path."""
+    if torch.compiler.is_compiling():
+        y, u, _ = torch.ops.kernel_lab.rms_norm_fwd(x, residual, gate, weight, eps, offset)
+        return y, u
+    if _needs_grad(x, residual, gate, weight):
+        return _RMSNormFunction.apply(x, residual, gate, weight, eps, offset)
+    y, u, _ = rms_norm_fwd(x, residual, gate, weight, eps, offset)
+    return y, u
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) * (offset + weight).
+
+    x: (..., hidden), float16 / bfloat16 / float32; rows may be strided (unit stride along
+    hidden is read in place, other layouts are copied once). weight: (hidden,) of any supported
+    float dtype (e.g. float32 weights with bf16 activations), or None for no affine.
+    offset=1.0 is the Gemma convention (weights stored as w - 1). Returns a tensor of x's shape
+    and dtype; statistics and math in float32. Differentiable w.r.t. x and weight.
+
+    Differs from torch.nn.functional.rms_norm: the output dtype is x's (not the promotion of x
+    and weight), the weight is applied in float32 before the one rounding to x's dtype.
+
+    backend: None picks by device (`kernel_lab.shared.runtime.backend`); "triton" insists on
+    the Triton kernel; "reference" runs the PyTorch reference (float32, differentiable).
+
+    Raises TypeError for non-float tensors or non-numeric eps/offset, ValueError for a weight
+    whose shape is not (hidden,), mismatched devices, eps <= 0, or an unusable backend.
+    """
+    eps, offset = _check("rms_norm", x, {"weight": weight}, {}, eps, backend, offset)
+    if backend == "reference":
+        return reference.rms_norm(x, weight, eps, offset=offset, compute_dtype=torch.float32).to(x.dtype)
+    return _rms_dispatch(x, None, None, weight, eps, offset)[0]
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: u = x + residual, y = rms_norm(u, weight, eps, offset).
+
+    Returns (y, u) (the flash-attn / vLLM convention: u is the next block's residual), both of
+    x's shape and dtype, from one kernel that reads x and residual once. The norm is taken of
+    the float32 sum (u is rounded to x's dtype only when stored). residual must match x's shape,
+    dtype and device. Differentiable w.r.t. x, residual and weight (through y and u).
+    Other inputs, errors and `backend` as `rms_norm`.
+    """
+    eps, offset = _check("residual_rms_norm", x, {"weight": weight}, {"residual": residual}, eps, backend, offset)
+    if backend == "reference":
+        y, u = reference.residual_rms_norm(x, residual, weight, eps, offset=offset, compute_dtype=torch.float32)
+        return y.to(x.dtype), u.to(x.dtype)
+    return _rms_dispatch(x, residual, None, weight, eps, offset)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Gated RMSNorm: y = rms_norm(x, weight, eps) * silu(gate), silu(z) = z * sigmoid(z).
+
+    The norm-before-gate form of Mamba-2 and Qwen3-Next, in one kernel. gate must match x's
+    shape, dtype and device. Differentiable w.r.t. x, gate and weight.
+    Other inputs, errors and `backend` as `rms_norm`.
+    """
+    eps, _ = _check("rms_norm_gated", x, {"weight": weight}, {"gate": gate}, eps, backend)
+    if backend == "reference":
+        return reference.rms_norm_gated(x, gate, weight, eps, compute_dtype=torch.float32).to(x.dtype)
+    return _rms_dispatch(x, None, gate, weight, eps, 0.0)[0]
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * weight + bias, with the
+    biased variance (as torch.nn.functional.layer_norm).
+
+    Mean and variance are float32 and numerically stable: the variance is taken of centred
+    values (rows held in registers), or merged chunk by chunk with Welford/Chan updates (long
+    rows), never as E[x^2] - E[x]^2. weight and bias: (hidden,) or None, any supported float
+    dtype. Returns x's shape and dtype. Differentiable w.r.t. x, weight and bias.
+    Other inputs, errors and `backend` as `rms_norm`.
+    """
+    eps, _ = _check("layer_norm", x, {"weight": weight, "bias": bias}, {}, eps, backend)
+    if backend == "reference":
+        return reference.layer_norm(x, weight, bias, eps, compute_dtype=torch.float32).to(x.dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.layer_norm_fwd(x, weight, bias, eps)[0]
+    if _needs_grad(x, weight, bias):
+        return _LayerNormFunction.apply(x, weight, bias, eps)
+    return layer_norm_fwd(x, weight, bias, eps)[0]

@@ -1,0 +1,197 @@
+"""The Triton kernels of every norm against the float64 reference, forward and backward, with
+the FlashAttention tolerance rule (see _norms_checks.py).
+
+Tiers (kernel_lab.shared.pytest_plugin): `interpret` tests run the real kernels on small
+shapes (CPU under TRITON_INTERPRET=1, or CUDA), `gpu` tests run LLM-sized shapes.
+"""
+
+import pytest
+import torch
+from _norms_checks import OPS, check_op, make_inputs
+
+import kernel_lab.norms.ops as ops
+from kernel_lab.norms import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
+from kernel_lab.shared import reference, testing
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Shrink the thresholds so small rows take the looped forward and the wide backward."""
+
+    def shrink(max_fused: int, loop_block: int) -> None:
+        monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
+        monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
+        monkeypatch.setattr(ops, "LOOP_BLOCK_N", loop_block)
+        monkeypatch.setattr(ops, "LOOP_NUM_WARPS", 2)
+
+    return shrink
+
+
+# --- interpret tier ------------------------------------------------------------------------------
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 37), (2, 3, 130)])
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32, "none"])
+def test_rms_norm_one_tile_matches_reference(dtype, shape, weight_dtype, kernel_device, seed):
+    inputs = make_inputs("rms_norm", shape, dtype, kernel_device, seed,
+                         weight_dtype="same" if weight_dtype == "none" else weight_dtype,
+                         affine=weight_dtype != "none")
+    check_op("rms_norm", inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("offset", [1.0, -0.25])
+def test_rms_norm_offset_matches_reference(offset, kernel_device, seed):
+    inputs = make_inputs("rms_norm", (5, 48), torch.bfloat16, kernel_device, seed)
+    check_op("rms_norm", inputs, offset=offset, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 130)])
+@pytest.mark.parametrize("use_u", [True, False])
+def test_residual_rms_norm_matches_reference(dtype, shape, use_u, kernel_device, seed):
+    inputs = make_inputs("residual_rms_norm", shape, dtype, kernel_device, seed)
+    check_op("residual_rms_norm", inputs, seed=seed, use_u=use_u, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 130)])
+def test_rms_norm_gated_matches_reference(dtype, shape, kernel_device, seed):
+    inputs = make_inputs("rms_norm_gated", shape, dtype, kernel_device, seed)
+    check_op("rms_norm_gated", inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 37), (2, 3, 130)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_reference(dtype, shape, affine, kernel_device, seed):
+    inputs = make_inputs("layer_norm", shape, dtype, kernel_device, seed, affine=affine, shift=1.5)
+    check_op("layer_norm", inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_rows, n_cols", [(9, 300), (3, 65)])
+def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel_device, seed):
+    # rows longer than 64 columns loop in 32-column steps (masked tails included) in the forward
+    # and take the wide two-phase backward; 9 rows over 4 stand-in SMs x 4 programs leave some
+    # programs without rows
+    small_blocks(64, 32)
+    assert ops._tile(n_rows, n_cols, ops.FWD_MAX_FUSED_COLS).one_tile is False
+    inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, kernel_device, seed, weight_dtype=torch.float32,
+                         shift=3.0 if op == "layer_norm" else 0.0)
+    check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_layer_norm_variance_is_stable_for_large_mean(long_rows, small_blocks, kernel_device, seed):
+    """|mean| = 1e4 with std 1: E[x^2] - E[x]^2 in float32 would lose every digit of the variance."""
+    if long_rows:
+        small_blocks(64, 32)
+    x = testing.randn(6, 200, device=kernel_device, seed=seed) + 1e4
+    y = layer_norm(x, None, None, 1e-5, backend="triton")
+    testing.assert_close_to_reference(y, reference.layer_norm(x, None, None, 1e-5), atol=1e-2, name="layer_norm")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+def test_strided_rows_are_read_in_place(op, kernel_device, seed):
+    inputs = make_inputs(op, (6, 45), torch.float16, kernel_device, seed)
+    for k in ("x", "residual", "gate"):
+        if k in inputs:
+            inputs[k] = testing.strided_rows(inputs[k], pad=11)  # NaN padding: a read past a row shows
+    assert ops._as_rows(inputs["x"]).data_ptr() == inputs["x"].data_ptr()  # no copy
+    check_op(op, inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+def test_transposed_input_is_copied_and_correct(kernel_device, seed):
+    inputs = make_inputs("rms_norm", (20, 33), torch.float32, kernel_device, seed)
+    inputs["x"] = testing.transposed_copy(inputs["x"])
+    check_op("rms_norm", inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 8)])
+def test_zero_size_inputs(op, shape, kernel_device, seed):
+    inputs = make_inputs(op, shape, torch.float32, kernel_device, seed)
+    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if v is not None}
+    fn = {"rms_norm": lambda: (rms_norm(leaves["x"], leaves["weight"]),),
+          "residual_rms_norm": lambda: residual_rms_norm(leaves["x"], leaves["residual"], leaves["weight"]),
+          "rms_norm_gated": lambda: (rms_norm_gated(leaves["x"], leaves["gate"], leaves["weight"]),),
+          "layer_norm": lambda: (layer_norm(leaves["x"], leaves["weight"], leaves["bias"]),)}[op]
+    outs = fn()
+    assert all(o.shape == inputs["x"].shape for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert torch.equal(leaves["weight"].grad, torch.zeros_like(leaves["weight"]))
+    assert leaves["x"].grad.shape == inputs["x"].shape
+
+
+# --- gpu tier -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_rows, n_cols", [(4096, 4096), (2048, 3584), (1024, 8192), (520, 16384), (96, 65536)])
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
+    inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,
+                         shift=2.0 if op == "layer_norm" else 0.0)
+    check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_float16_llm_size_with_leading_dims(op, seed):
+    inputs = make_inputs(op, (2, 1000, 5120), torch.float16, "cuda", seed)
+    check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_torch_compile_fullgraph_inductor(op, seed):
+    inputs = make_inputs(op, (300, 4096), torch.bfloat16, "cuda", seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **kw: sum(o.float().square().sum() for o in _call(op, kw)), fullgraph=True)
+    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if v is not None}
+    compiled(**leaves).backward()
+    eager = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
+    sum(o.float().square().sum() for o in _call(op, eager)).backward()
+    for k in leaves:
+        torch.testing.assert_close(leaves[k].grad, eager[k].grad, rtol=2e-2, atol=2e-2)
+
+
+def _call(op, kw):
+    from _norms_checks import call
+
+    full = dict.fromkeys(("residual", "gate", "weight", "bias")) | kw
+    return call(op, full, 1e-6, 0.0)
+
+
+@pytest.mark.gpu
+def test_rows_beyond_int32_offsets(seed):
+    """More than 2**31 elements: row offsets must be computed in 64 bits."""
+    n_cols = 4096
+    n_rows = (2**31) // n_cols + 64
+    x = torch.empty(n_rows, n_cols, dtype=torch.bfloat16, device="cuda")
+    x[-64:] = testing.randn(64, n_cols, dtype=torch.bfloat16, device="cuda", seed=seed)
+    x[:-64] = 1.0
+    w = testing.randn(n_cols, dtype=torch.bfloat16, device="cuda", seed=seed + 1).requires_grad_(True)
+    xl = x.requires_grad_(True)
+    y = rms_norm(xl, w)
+    tail = reference.rms_norm(x.detach()[-64:], w.detach())
+    testing.assert_close_to_reference(y[-64:], tail, baseline=None, atol=2e-2 * float(tail.abs().max()))
+    dy = torch.zeros_like(y)
+    dy[-64:] = 1.0
+    (dx,) = torch.autograd.grad(y, xl, dy)
+    ref_dx, _ = reference.rms_norm_backward(dy[-64:], x.detach()[-64:], w.detach())
+    testing.assert_close_to_reference(dx[-64:], ref_dx, atol=2e-2 * float(ref_dx.abs().max()))
