@@ -3,10 +3,10 @@
 Layout conventions: a / x is (M, K), b is (K, N) addressed through explicit strides (so a
 transposed view such as `weight.t()` costs nothing), c is (M, N). Accumulation is float32.
 
-Split-K: when SPLIT_K > 1 the grid's second axis splits the K loop; each program writes its
-raw float32 partial tile to a (SPLIT_K, M, N) workspace and `_splitk_reduce_kernel` sums the
-partials and applies the epilogue. Decode shapes (M <= 64) need it: one program per N tile
-would leave most SMs idle while the weight, the only large operand, streams from HBM.
+Split-K: the grid's second axis splits the K loop (K_PER_SPLIT columns each); with
+WRITE_PARTIAL each program writes its raw float32 partial tile to a (splits, M, N) workspace,
+and `_splitk_reduce_kernel` sums the partials and applies the epilogue. Decode shapes
+(M <= 64) need it: one program per N tile would leave most SMs idle while the weight, the only large operand, streams from HBM.
 """
 
 import triton
@@ -76,18 +76,24 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return pid_m, pid_n
 
 
-@triton.jit
+# do_not_specialize: M and the split size change from call to call (every batch size); Triton
+# would otherwise compile a variant for M == 1 and for M % 16 == 0, for no speed gain (M only
+# wraps row indices and masks the store).
+_DNS = ["M", "M_BUCKET", "K_PER_SPLIT"]
+
+
+@triton.jit(do_not_specialize=_DNS)
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr,  # c: the output (SPLIT_K == 1) or the float32 split-K workspace
+    a_ptr, b_ptr, c_ptr,  # c: the output, or the float32 split-K workspace (WRITE_PARTIAL)
     bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, K,
     M_BUCKET,  # next power of two of M, capped: an autotune key only (decode vs prefill)
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_sa, stride_sb,
-    stride_cs,  # workspace stride between splits (SPLIT_K > 1)
+    stride_cs,  # workspace stride between splits (WRITE_PARTIAL)
     K_PER_SPLIT,  # K range of one split, a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = act((a @ b) * scale_a * scale_b + bias) for float16 / bfloat16 / float8 a and b."""
@@ -112,7 +118,7 @@ def _matmul_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if SPLIT_K == 1:
+    if not WRITE_PARTIAL:
         _epilogue_store(
             acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
             bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, acc,
@@ -124,9 +130,9 @@ def _matmul_kernel(
         tl.store(w_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _splitk_reduce_kernel(
-    ws_ptr, c_ptr, ssq_ptr,  # ssq: (SPLIT_K, M) partial sums of squares (rms_norm_linear)
+    ws_ptr, c_ptr, ssq_ptr,  # ssq: (splits, M) partial sums of squares (rms_norm_linear)
     bias_ptr, scale_a_ptr, scale_b_ptr,
     M, N, n_splits, stride_ws, stride_ssq, stride_cm, stride_cn, stride_sa, stride_sb,
     inv_k, eps,  # rms_norm_linear: rstd = rsqrt(sum(ssq) * inv_k + eps)
@@ -154,7 +160,7 @@ def _splitk_reduce_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DNS)
 def _quantized_matmul_kernel(
     x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
     M, N, K,
@@ -163,7 +169,8 @@ def _quantized_matmul_kernel(
     stride_cs, K_PER_SPLIT, GROUP_SIZE,
     BITS: tl.constexpr,  # 8: one int8/uint8 code per byte; 4: two codes per uint8, low nibble first
     HAS_ZEROS: tl.constexpr,  # per-group uint8 zero points; else 0 (int8) or 8 (int4)
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = x @ dequant(q)^T + bias, the weight dequantized tile by tile inside the K loop.
@@ -221,7 +228,7 @@ def _quantized_matmul_kernel(
             x_ptrs += BLOCK_K * stride_xk
             q_ptrs += (BLOCK_K // 2) * stride_qk
         acc += part * scale[None, :]
-    if SPLIT_K == 1:
+    if not WRITE_PARTIAL:
         _epilogue_store(
             acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
             bias_ptr, bias_ptr, 0, bias_ptr, 0, acc,
@@ -233,14 +240,15 @@ def _quantized_matmul_kernel(
         tl.store(w_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DNS)
 def _rms_norm_linear_kernel(
     x_ptr, g_ptr, b_ptr, c_ptr, ssq_ptr, bias_ptr,
     M, N, K,
     M_BUCKET,  # autotune key only
     stride_xm, stride_xk, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_cs, stride_ssq, K_PER_SPLIT, eps,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = rms_norm(x, g) @ b + bias, b = weight^T (K, N), in one pass over K.
@@ -273,7 +281,7 @@ def _rms_norm_linear_kernel(
         acc = tl.dot((x * g[None, :]).to(b.dtype), b, acc)
         x_ptrs += BLOCK_K * stride_xk
         b_ptrs += BLOCK_K * stride_bk
-    if SPLIT_K == 1:
+    if not WRITE_PARTIAL:
         rstd = 1.0 / tl.sqrt(ssq / K + eps)
         _epilogue_store(
             acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
@@ -313,12 +321,17 @@ FP8_PREFILL_CONFIGS = [
     _cfg(128, 128, 128, 4, 4),
 ]
 
+
 # cache_results: the winners are stored in Triton's cache directory, so a second process (the
 # benchmark after the tests) does not re-tune.
+def _autotuned(kernel, configs, key):
+    return triton.autotune(configs=configs, key=key, cache_results=True)(kernel)
+
+
 MATMUL_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "stride_ak", "stride_bk", "HAS_SCALE"]
 
-_matmul_kernel_prefill = triton.autotune(configs=PREFILL_CONFIGS, key=MATMUL_AUTOTUNE_KEY, cache_results=True)(_matmul_kernel)
-_matmul_kernel_fp8_prefill = triton.autotune(configs=FP8_PREFILL_CONFIGS, key=MATMUL_AUTOTUNE_KEY, cache_results=True)(_matmul_kernel)
+_matmul_kernel_prefill = _autotuned(_matmul_kernel, PREFILL_CONFIGS, MATMUL_AUTOTUNE_KEY)
+_matmul_kernel_fp8_prefill = _autotuned(_matmul_kernel, FP8_PREFILL_CONFIGS, MATMUL_AUTOTUNE_KEY)
 
 
 # Decode (M <= 64): the launcher fixes BLOCK_M (the smallest tile covering M), BLOCK_N and the
@@ -333,10 +346,8 @@ SKINNY_CONFIGS = [
     _skinny_cfg(128, 5, 8),
     _skinny_cfg(256, 4, 8),
 ]
-SKINNY_KEY = ["M_BUCKET", "N", "K", "SPLIT_K"]
+SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT"]
 
-_matmul_kernel_skinny = triton.autotune(configs=SKINNY_CONFIGS, key=[*SKINNY_KEY, "HAS_SCALE"], cache_results=True)(_matmul_kernel)
-_rms_norm_linear_kernel_skinny = triton.autotune(configs=SKINNY_CONFIGS, key=SKINNY_KEY, cache_results=True)(_rms_norm_linear_kernel)
-_rms_norm_linear_kernel_prefill = triton.autotune(configs=PREFILL_CONFIGS, key=["M_BUCKET", "N", "K"], cache_results=True)(
-    _rms_norm_linear_kernel
-)
+_matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
+_rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
+_rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])

@@ -175,7 +175,7 @@ def matmul_fwd(
             a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             stride_sa, stride_sb, ws.stride(0) if plan.split_k > 1 else 0, plan.k_per_split,
-            SPLIT_K=plan.split_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra, **common,
+            WRITE_PARTIAL=plan.split_k > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra, **common,
         )
         if plan.split_k > 1:
             _reduce(ws, c, bias=bias, scale_a=scale_a, scale_b=scale_b, activation=activation)
@@ -188,7 +188,7 @@ def matmul_fwd(
     if interpret:
         grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
         wrap_triton(_matmul_kernel)[grid](
-            *args, SPLIT_K=1, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
+            *args, WRITE_PARTIAL=False, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
             GROUP_M=2, **common,
         )
         return c
@@ -197,7 +197,7 @@ def matmul_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
 
-    wrap_triton(kernel)[grid](*args, SPLIT_K=1, **common)
+    wrap_triton(kernel)[grid](*args, WRITE_PARTIAL=False, **common)
     return c
 
 
@@ -244,7 +244,7 @@ def quantized_matmul_fwd(
         m, n, k, _m_bucket(m),
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
         ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
-        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -281,7 +281,7 @@ def rms_norm_linear_fwd(
             x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
             x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             ws.stride(0) if split > 1 else 0, ssq.stride(0) if split > 1 else 0, plan.k_per_split, eps,
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
+            HAS_BIAS=bias is not None, WRITE_PARTIAL=split > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
         )
         if split > 1:
             _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps)
@@ -293,7 +293,7 @@ def rms_norm_linear_fwd(
     if interpret:
         grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
         wrap_triton(_rms_norm_linear_kernel)[grid](
-            *args, HAS_BIAS=bias is not None, SPLIT_K=1,
+            *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
             BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
         )
         return c
@@ -301,7 +301,7 @@ def rms_norm_linear_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
 
-    wrap_triton(_rms_norm_linear_kernel_prefill)[grid](*args, HAS_BIAS=bias is not None, SPLIT_K=1)
+    wrap_triton(_rms_norm_linear_kernel_prefill)[grid](*args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False)
     return c
 
 

@@ -1,0 +1,215 @@
+"""kernel_lab.gemm against cuBLAS (torch.matmul, the baseline), torch.compile, torch._scaled_mm
+and the unfused RMSNorm + matmul pair.
+
+Groups (one per shape and dtype, one row per implementation):
+- prefill: M in {4096, 16384} x the Llama-3-8B projections (N x K = 4096x4096, 6144x4096,
+  14336x4096, 4096x14336; square 4096 is the first of them), plus square 8192; bf16 and fp16. Rows: torch (cuBLAS),
+  kernel_lab. One extra group adds a bias + tanh-GELU epilogue, with torch.compile as a peer.
+- decode: M in {1, 16, 64} x the four projections (bf16; fp16 at M = 16). At M <= 16 the
+  group also has the weight-only rows kernel_lab-int8 (per channel) and kernel_lab-int4 (group
+  128), against the same cuBLAS bf16 baseline. Weights are rotated through enough copies to
+  exceed 3x the L2, so every call streams its weight from HBM; bytes_moved counts the weight
+  (codes and scales for the quantized rows), x and the output.
+- fp8: per-tensor scaled (row-wise for one group), torch._scaled_mm as the baseline.
+- rms_norm_linear: M in {1, 16, 64}, N x K = 6144 x 4096 (Llama-3-8B's fused QKV), bf16; rows:
+  the unfused torch pair (baseline), torch.compile of the pair, kernel_lab's fused kernel.
+
+Errors: max |out - float64 reference| over the first ERROR_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_lab import gemm
+from kernel_lab.shared import bench, reference, runtime
+
+pytestmark = pytest.mark.gpu
+
+PROJECTIONS = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (N, K) of Llama-3-8B
+# square 4096 is M4096-N4096-K4096 below
+PREFILL = [(m, n, k) for m in (4096, 16384) for n, k in PROJECTIONS] + [(8192, 8192, 8192)]
+DECODE = [(m, n, k) for m in (1, 16, 64) for n, k in PROJECTIONS]
+ERROR_ROWS = 256
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _rand(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+
+def _copies(nbytes: int) -> int:
+    """Buffers to rotate through so that the working set is at least 3x the L2."""
+    l2 = runtime.device_info().l2_bytes or 50 << 20
+    return max(1, min(64, math.ceil(3 * l2 / max(nbytes, 1))))
+
+
+def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out[:ERROR_ROWS].double() - ref).abs().max())
+
+
+def _role(impl: str) -> str:
+    return "baseline" if impl == "torch" else ("kernel_lab" if impl.startswith("kernel_lab") else "peer")
+
+
+# --- prefill -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel_lab"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", PREFILL, ids=[f"M{m}-N{n}-K{k}" for m, n, k in PREFILL])
+def test_gemm_prefill(benchmark, shape, dtype, impl):
+    m, n, k = shape
+    benchmark.group = f"gemm prefill M{m} N{n} K{k} {DTYPE_NAMES[dtype]}"
+    x = _rand(m, k, dtype=dtype, seed=m + k)
+    w = _rand(n, k, dtype=dtype, seed=n + k, scale=k**-0.5)  # nn.Linear layout, b = w.t()
+    fn = (lambda: x @ w.t()) if impl == "torch" else (lambda: gemm.matmul(x, w.t()))
+    err = _max_error(fn(), reference.matmul(x[:ERROR_ROWS], w.t()))
+    bench.run_cuda(benchmark, fn, rounds=10)
+    bench.annotate(
+        benchmark, impl=impl, role=_role(impl), bytes_moved=(m * k + n * k + m * n) * 2,
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
+    )
+
+
+@pytest.mark.parametrize("impl", ["torch", "torch.compile", "kernel_lab"])
+def test_gemm_prefill_epilogue(benchmark, impl):
+    m, n, k = 4096, 14336, 4096
+    benchmark.group = f"gemm+bias+gelu_tanh prefill M{m} N{n} K{k} bf16"
+    x = _rand(m, k, dtype=torch.bfloat16, seed=1)
+    w = _rand(n, k, dtype=torch.bfloat16, seed=2, scale=k**-0.5)
+    bias = _rand(n, dtype=torch.bfloat16, seed=3)
+
+    def eager():
+        return F.gelu(F.linear(x, w, bias), approximate="tanh")
+
+    fn = {
+        "torch": eager,
+        "torch.compile": torch.compile(eager, dynamic=False),
+        "kernel_lab": lambda: gemm.matmul(x, w.t(), bias=bias, activation="gelu_tanh"),
+    }[impl]
+    err = _max_error(fn(), reference.matmul(x[:ERROR_ROWS], w.t(), bias, "gelu_tanh"))
+    bench.run_cuda(benchmark, fn, rounds=10)
+    bench.annotate(
+        benchmark, impl=impl, role=_role(impl), bytes_moved=(m * k + n * k + m * n + n) * 2,
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16",
+    )
+
+
+# --- decode: bf16 / fp16 and weight-only int8 / int4 -------------------------------------------
+
+DECODE_CASES = [(s, torch.bfloat16) for s in DECODE] + [(s, torch.float16) for s in DECODE if s[0] == 16]
+DECODE_IMPLS = ["torch", "kernel_lab", "kernel_lab-int8", "kernel_lab-int4"]
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+@pytest.mark.parametrize(
+    "case", DECODE_CASES, ids=[f"M{m}-N{n}-K{k}-{DTYPE_NAMES[d]}" for (m, n, k), d in DECODE_CASES]
+)
+def test_gemm_decode(benchmark, case, impl):
+    (m, n, k), dtype = case
+    if impl.endswith(("int8", "int4")) and (m > 16 or dtype != torch.bfloat16):
+        pytest.skip("weight-only rows are benchmarked at M in {1, 16}, bf16")
+    benchmark.group = f"gemm decode M{m} N{n} K{k} {DTYPE_NAMES[dtype]}"
+    x = _rand(m, k, dtype=dtype, seed=m + k)
+    w0 = _rand(n, k, dtype=dtype, seed=n + k, scale=k**-0.5)
+    if impl in ("torch", "kernel_lab"):
+        weights = [w0] + [w0.clone() for _ in range(_copies(w0.numel() * 2) - 1)]
+        weight_bytes = w0.numel() * 2
+        ref = reference.matmul(x[:ERROR_ROWS], w0.t())
+        op = (lambda w: x @ w.t()) if impl == "torch" else (lambda w: gemm.matmul(x, w.t()))
+    else:
+        bits, group = (8, None) if impl.endswith("int8") else (4, 128)
+        qw = gemm.quantize_weight(w0, bits, group)
+        weight_bytes = qw.nbytes
+        weights = [qw] + [
+            gemm.QuantizedWeight(qw.qdata.clone(), qw.scales.clone(), qw.zeros, bits, qw.group_size, qw.shape, qw.dtype)
+            for _ in range(_copies(weight_bytes) - 1)
+        ]
+        ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=qw.group_size)
+
+        def op(w):
+            return gemm.quantized_matmul(x, w)
+
+    cycle = itertools.cycle(weights)
+    err = _max_error(op(weights[0]), ref)
+    bench.run_cuda(benchmark, lambda: op(next(cycle)))
+    bench.annotate(
+        benchmark, impl=impl, role=_role(impl), bytes_moved=weight_bytes + (m * k + m * n) * 2,
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
+    )
+
+
+# --- fp8 -----------------------------------------------------------------------------------------
+
+FP8_CASES = [(8192, 8192, 8192, "tensor"), (4096, 14336, 4096, "tensor"), (4096, 14336, 4096, "row"),
+             (16, 14336, 4096, "tensor")]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel_lab"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"M{m}-N{n}-K{k}-{g}" for m, n, k, g in FP8_CASES])
+def test_gemm_fp8(benchmark, case, impl):
+    m, n, k, granularity = case
+    if runtime.device_info().capability < (8, 9):
+        pytest.skip("float8 needs compute capability >= 8.9")
+    benchmark.group = f"gemm fp8 {granularity}-scaled M{m} N{n} K{k} -> bf16"
+    xq, sx = gemm.quantize_fp8(_rand(m, k, dtype=torch.bfloat16, seed=5), granularity)
+    wq, sw = gemm.quantize_fp8(_rand(n, k, dtype=torch.bfloat16, seed=6, scale=k**-0.5), granularity)
+    sw = sw.t().contiguous() if granularity == "row" else sw
+    if impl == "torch":
+        sa_mm = sx if granularity == "row" else sx.reshape(())
+        sb_mm = sw if granularity == "row" else sw.reshape(())
+
+        def fn():
+            return torch._scaled_mm(xq, wq.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16)
+    else:
+
+        def fn():
+            return gemm.fp8_matmul(xq, wq.t(), sx, sw)
+
+    ref = reference.fp8_matmul(xq[:ERROR_ROWS], wq.t(), sx[:ERROR_ROWS] if granularity == "row" else sx, sw)
+    err = _max_error(fn(), ref)
+    bench.run_cuda(benchmark, fn, rounds=10)
+    bench.annotate(
+        benchmark, impl="torch._scaled_mm" if impl == "torch" else impl, role=_role(impl),
+        bytes_moved=m * k + n * k + m * n * 2, flops=bench.matmul_flops(m, n, k), max_error=err,
+        shape=f"{m}x{n}x{k}", dtype="fp8e4m3",
+    )
+
+
+# --- rms_norm_linear -----------------------------------------------------------------------------
+
+RNL_M = [1, 16, 64]
+
+
+@pytest.mark.parametrize("impl", ["torch", "torch.compile", "kernel_lab"])
+@pytest.mark.parametrize("m", RNL_M)
+def test_rms_norm_linear(benchmark, m, impl):
+    n, k, eps = 6144, 4096, 1e-5
+    benchmark.group = f"rms_norm_linear M{m} N{n} K{k} bf16"
+    x = _rand(m, k, dtype=torch.bfloat16, seed=7, scale=3.0)
+    g = _rand(k, dtype=torch.bfloat16, seed=8)
+    w0 = _rand(n, k, dtype=torch.bfloat16, seed=9, scale=k**-0.5)
+    weights = [w0] + [w0.clone() for _ in range(_copies(w0.numel() * 2) - 1)]
+    cycle = itertools.cycle(weights)
+
+    def unfused(x, g, w):
+        return F.linear(F.rms_norm(x, (k,), g, eps), w)
+
+    op = {
+        "torch": unfused,
+        "torch.compile": torch.compile(unfused, dynamic=False),
+        "kernel_lab": lambda x, g, w: gemm.rms_norm_linear(x, g, w, eps=eps),
+    }[impl]
+    err = _max_error(op(x, g, w0), reference.rms_norm_linear(x, g, w0, eps))
+    bench.run_cuda(benchmark, lambda: op(x, g, next(cycle)))
+    bench.annotate(
+        benchmark, impl=impl, role=_role(impl), bytes_moved=(n * k + m * k + k + m * n) * 2,
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16",
+    )
