@@ -16,7 +16,29 @@ import zlib
 
 import pytest
 
-from . import runtime
+from . import runtime, testing
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kernel-lab-errors", action="store_true",
+        help="print the worst error against the reference of every checked kernel output",
+    )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not config.getoption("--kernel-lab-errors"):
+        return
+    worst: dict[str, testing.ErrorReport] = {}
+    for r in testing.RECORDED_REPORTS:
+        if r.name not in worst or r.max_abs_error > worst[r.name].max_abs_error:
+            worst[r.name] = r
+    terminalreporter.section("kernel_lab: max error vs reference per kernel output")
+    for name, r in sorted(worst.items()):
+        terminalreporter.write_line(
+            f"{name:<40} max abs {r.max_abs_error:.3e}  relative {r.max_rel_error:.3e}  "
+            f"budget {r.budget:.3e}  {'ok' if r.ok else 'FAIL'}"
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,6 +26,7 @@ from . import runtime
 
 __all__ = [
     "DEFAULT_ATOL",
+    "RECORDED_REPORTS",
     "ErrorReport",
     "assert_close_to_reference",
     "error_report",
@@ -97,6 +98,11 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).max)
 
 
+# Every report of assert_close_to_reference in this process, in order: the pytest plugin prints
+# the worst error per check name with `--kernel-lab-errors` (the CPU `nox -s bench` summary).
+RECORDED_REPORTS: list[ErrorReport] = []
+
+
 @dataclass
 class ErrorReport:
     """The numbers behind one tolerance check."""
@@ -162,8 +168,9 @@ def error_report(
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
     if baseline is not None and baseline.shape != ref.shape:
         raise AssertionError(f"{name}: baseline shape {tuple(baseline.shape)} != {tuple(ref.shape)}")
-    ref64 = ref.detach().to("cpu", torch.float64)
-    out64 = out.detach().to("cpu", torch.float64)
+    # float64 on the reference's device: LLM-sized checks stay on the GPU
+    ref64 = ref.detach().to(torch.float64)
+    out64 = out.detach().to(ref64.device, torch.float64)
     mismatches, example = _nonfinite_mismatch(out64, ref64)
     finite = torch.isfinite(ref64) & torch.isfinite(out64)
     diff = torch.where(finite, (out64 - ref64).abs(), torch.zeros_like(ref64))
@@ -177,7 +184,7 @@ def error_report(
     baseline_err = None
     budget = atol
     if baseline is not None:
-        b64 = baseline.detach().to("cpu", torch.float64)
+        b64 = baseline.detach().to(ref64.device, torch.float64)
         bfinite = finite & torch.isfinite(b64)
         bdiff = torch.where(bfinite, (b64 - ref64).abs(), torch.zeros_like(ref64))
         baseline_err = float(bdiff.max()) if bdiff.numel() else 0.0
@@ -212,6 +219,7 @@ def assert_close_to_reference(
     NaN/Inf must appear exactly where the reference has them, with the same sign.
     """
     report = error_report(out, ref, baseline, factor=factor, atol=atol, name=name)
+    RECORDED_REPORTS.append(report)
     if not report.ok:
         raise AssertionError(str(report))
     return report

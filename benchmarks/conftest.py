@@ -1,0 +1,67 @@
+"""pytest-benchmark glue for every benchmarks/test_<package>.py (GPU only).
+
+- Every round is timed with `kernel_lab.shared.bench.cuda_timer` (pass it as
+  `--benchmark-timer`; `nox -s bench` does).
+- The saved JSON's machine_info carries device, capability, driver, CUDA, torch and triton.
+- Each row's extra_info gains `speedup` over its group's baseline (and `vs_best_peer` on
+  kernel_lab rows) before the JSON is written; the terminal summary prints the table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_lab.shared import bench, runtime
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if runtime.cuda_available():
+        return
+    skip = pytest.mark.skip(reason="benchmarks need CUDA (nox -s bench runs the interpret validation instead)")
+    for item in items:
+        item.add_marker(skip)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info) -> None:
+    machine_info["kernel_lab"] = runtime.versions()
+    if runtime.cuda_available():
+        info = runtime.device_info()
+        machine_info["kernel_lab"].update(
+            sm_count=info.sm_count, l2_bytes=info.l2_bytes,
+            copy_bandwidth_gbps=runtime.measured_copy_bandwidth() / 1e9,
+            bf16_matmul_tflops=runtime.measured_matmul_flops() / 1e12,
+        )
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json) -> None:
+    bench.add_speedups(output_json["benchmarks"])
+
+
+def _rows(config: pytest.Config) -> list[dict]:
+    session = getattr(config, "_benchmarksession", None)
+    if session is None:
+        return []
+    rows = []
+    for b in session.benchmarks:
+        if b.stats is None:
+            continue
+        rows.append({"group": b.group, "name": b.name, "stats": {"median": b.stats.median},
+                     "extra_info": dict(b.extra_info)})
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    rows = _rows(config)
+    if not rows:
+        return
+    bench.add_speedups(rows)
+    terminalreporter.section("kernel_lab benchmark summary")
+    v = runtime.versions()
+    terminalreporter.write_line(
+        f"{v.get('device')} (sm {v.get('capability')}), driver {v.get('driver')}, CUDA {v.get('cuda')}, "
+        f"torch {v['torch']}, triton {v.get('triton')}; measured copy "
+        f"{runtime.measured_copy_bandwidth() / 1e9:.0f} GB/s, bf16 matmul "
+        f"{runtime.measured_matmul_flops() / 1e12:.0f} TFLOP/s"
+    )
+    for line in bench.format_table(rows).splitlines():
+        terminalreporter.write_line(line)
