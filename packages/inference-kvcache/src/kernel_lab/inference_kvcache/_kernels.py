@@ -1,0 +1,236 @@
+"""Triton kernels of kernel_lab.inference_kvcache: cache append, split-K decode, split merge.
+
+One addressing scheme serves both caches. A paged pool is (num_blocks, PAGE_SIZE, H, D) and
+token t of a sequence lives in block block_table[row, t // PAGE_SIZE] at slot t % PAGE_SIZE.
+A contiguous cache (B, T_max, H, D) is the same thing with one block per sequence: block
+`row`, slot t. The PAGED flag picks the block lookup, so the if is compiled out.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernel_lab.shared import runtime
+
+# Largest finite float8 e4m3fn value: the append saturates to it instead of producing NaN.
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, as float32.
+
+    The cast to float8 would do this on the GPU, but the Triton interpreter's cast loses the
+    carry into the exponent (127.4 -> 64) and rounds ties away from zero; after this rounding
+    the cast is exact everywhere, so CPU tests and GPU runs store the same bytes as torch.
+    """
+    # Spacing of e4m3 values around x: 2^(exponent - 3) for 3 mantissa bits, and the
+    # subnormal spacing 2^-9 below the smallest normal 2^-6.
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding and removing 1.5 * 2^23 rounds |x / ulp| < 2^22 to an integer, ties to even.
+    magic = 12582912.0
+    r = ((x / ulp + magic) - magic) * ulp
+    # The trick returns +0 for small negatives; keep x's sign as the cast would (x * 0).
+    return tl.where(r == 0.0, x * 0.0, r)
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_new_ptr, v_new_ptr,  # (B, T_new, H, D) new keys / values, any strides
+    stride_nb, stride_nt, stride_nh, stride_nd,  # strides of k_new
+    stride_vb, stride_vt, stride_vh, stride_vd,  # strides of v_new
+    k_cache_ptr, v_cache_ptr,  # pools (num_blocks, PAGE_SIZE, H, D); k and v share strides
+    stride_cblk, stride_ct, stride_ch, stride_cd,
+    lengths_ptr,  # (rows,) int32 tokens already cached per row, read before this append
+    seq_ids_ptr,  # (B,) int32 cache row of each batch entry (HAS_SEQ_IDS)
+    counts_ptr,  # (B,) int32 new tokens of each batch entry (HAS_COUNTS), else all T_new
+    block_table_ptr, stride_bt,  # (rows, max_blocks) int32 (PAGED)
+    k_scale_ptr, v_scale_ptr,  # (H,) float32 per-head dequantization scales (QUANT)
+    T_NEW, H, D,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr, HAS_COUNTS: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program writes one token of one batch entry, all heads: H*D contiguous-ish values,
+    # so each program issues a few wide loads and stores.
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T_NEW
+    t = pid % T_NEW
+    if HAS_COUNTS:
+        count = tl.load(counts_ptr + b)
+    else:
+        count = T_NEW
+    if t >= count:
+        return
+    if HAS_SEQ_IDS:
+        row = tl.load(seq_ids_ptr + b).to(tl.int64)
+    else:
+        row = b
+    pos = tl.load(lengths_ptr + row).to(tl.int64) + t
+    if PAGED:
+        blk = tl.load(block_table_ptr + row * stride_bt + pos // PAGE_SIZE).to(tl.int64)
+        dst = blk * stride_cblk + (pos % PAGE_SIZE) * stride_ct
+    else:
+        dst = row * stride_cblk + pos * stride_ct
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    k = tl.load(k_new_ptr + b * stride_nb + t * stride_nt + offs_h[:, None] * stride_nh
+                + offs_d[None, :] * stride_nd, mask=mask, other=0.0)
+    v = tl.load(v_new_ptr + b * stride_vb + t * stride_vt + offs_h[:, None] * stride_vh
+                + offs_d[None, :] * stride_vd, mask=mask, other=0.0)
+    if QUANT:
+        # Stored value = x / scale, saturated to the e4m3 range (an out-of-range value becomes
+        # +-448 instead of NaN), rounded to nearest even.
+        k_scale = tl.load(k_scale_ptr + offs_h, mask=offs_h < H, other=1.0)
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < H, other=1.0)
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
+    cache_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _decode_configs():
+    # Under the interpreter every config would run at every call: keep one.
+    if runtime.interpret_mode():
+        return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3))
+    ]
+
+
+@triton.autotune(configs=_decode_configs(), key=["HEAD_DIM", "BLOCK_M", "PAGED", "QUANT", "len_bucket",
+                                                 "work_bucket"])
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # (B, T_q, H_q, D)
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    k_ptr, v_ptr,  # pools (num_blocks, PAGE_SIZE, H_kv, D); k and v share strides
+    stride_kblk, stride_kt, stride_kh, stride_kd,
+    lengths_ptr,  # (rows,) int32 valid tokens per cache row (the T_q queries included)
+    seq_ids_ptr,  # (B,) int32 cache row of each batch entry (HAS_SEQ_IDS)
+    block_table_ptr, stride_bt,  # (rows, max_blocks) int32 (PAGED)
+    k_scale_ptr, v_scale_ptr,  # (H_kv,) float32 (QUANT)
+    out_ptr,  # (B, T_q, H_q, D) final output, written when NUM_SPLITS == 1
+    stride_ob, stride_ot, stride_oh, stride_od,
+    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32 and (B, H_q, T_q, NUM_SPLITS)
+    qk_scale,  # softmax scale * log2(e): exp2 below instead of exp
+    H_KV, T_Q, GROUP, NUM_M_TILES, NUM_SPLITS,
+    len_bucket, work_bucket,  # autotune keys only: log2 of the split length and of the programs
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (b, kv head, m tile) x split. The M rows of the tile are the GROUP query heads
+    # that share this kv head times the T_q query tokens, so every K/V tile is read once per
+    # group (GQA packing) and tl.dot gets an M of at least 16.
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    m_tile = pid % NUM_M_TILES
+    kvh = (pid // NUM_M_TILES) % H_KV
+    b = pid // (NUM_M_TILES * H_KV)
+    if HAS_SEQ_IDS:
+        row = tl.load(seq_ids_ptr + b).to(tl.int64)
+    else:
+        row = b
+    length = tl.load(lengths_ptr + row)
+
+    # Flash-decoding: this split covers [start, end) of the sequence, chunk rounded up to
+    # BLOCK_N so only the last tile of the last split is partial.
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = offs_m // T_Q
+    t = offs_m % T_Q
+    mask_m = offs_m < GROUP * T_Q
+    h = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    # Query t is the (T_q - t)-th newest token: it sees keys at positions <= length - T_q + t.
+    last_pos = length - T_Q + t
+
+    scale = qk_scale
+    if QUANT:
+        # Per-head dequantization folds into the scalars: s = (q . k8) * k_scale * scale and
+        # o = (p . v8) * v_scale, so the fp8 tiles are only converted, never multiplied.
+        scale = scale * tl.load(k_scale_ptr + kvh)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_head = kvh * stride_kh + offs_d[None, :] * stride_kd
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if PAGED:
+            blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            tok = blk.to(tl.int64) * stride_kblk + (offs_n % PAGE_SIZE) * stride_kt
+        else:
+            tok = row * stride_kblk + offs_n.to(tl.int64) * stride_kt
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= last_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0,
+        # not NaN from (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A query with no key (empty sequence or split) returns 0 and has lse = -inf.
+    has_keys = l_i > 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if QUANT:
+        o = o * tl.load(v_scale_ptr + kvh)
+    if SPLIT:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part = ((b * (H_KV * GROUP) + h) * T_Q + t) * NUM_SPLITS + split
+        tl.store(lse_part_ptr + part, lse, mask=mask_m)
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=mask_m[:, None] & mask_d[None, :])
+    else:
+        tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32, (B, H_q, T_q, NUM_SPLITS)
+    out_ptr, stride_ob, stride_ot, stride_oh, stride_od,  # (B, T_q, H_q, D)
+    H_Q, T_Q, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (b, head, query token): the logsumexp-weighted mean of its splits,
+    # o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid % T_Q
+    h = (pid // T_Q) % H_Q
+    b = pid // (T_Q * H_Q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(lse_part_ptr + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (no keys): all 0
+    denom = tl.sum(w, 0)
+    o = tl.load(o_part_ptr + (pid * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -1,0 +1,412 @@
+"""Decode attention over a KV cache and the cache append: checks, launchers, torch.library ops.
+
+Call path: `flash_decode(...)` (tensor-level) checks its inputs, then
+- in eager mode calls the launcher `flash_decode_fwd` directly (a custom op costs tens of
+  microseconds per call, as long as a whole decode step at small batch);
+- under torch.compile calls `torch.ops.kernel_lab.kvcache_decode`, a `triton_op`, so the graph
+  has no break.
+`kv_append` (used by the caches in `modules`) follows the same pattern with the mutating op
+`torch.ops.kernel_lab.kvcache_append`. There is no backward: these are inference ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import FP8_E4M3_MAX, _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
+
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+MAX_HEAD_DIM = 256
+# tl.dot needs every dimension >= 16: head dims below are zero-padded to it, and the M tile
+# (GQA group x query tokens) is at least 16 rows.
+MIN_DOT_DIM = 16
+# Rows (query heads of a group x query tokens) of one program; larger groups take more tiles.
+MAX_BLOCK_M = 64
+# Split-K plan: aim for this many programs per SM, never splits shorter than MIN_SPLIT_LEN
+# keys (below that the merge costs more than the parallelism gains), at most MAX_SPLITS.
+SPLIT_PROGRAMS_PER_SM = 4
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 128
+# The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
+INTERPRET_SM_COUNT = 4
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------
+# checks
+
+
+def _check_tensor(name: str, t, ndim: int | tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t, device: torch.device, ndim: int) -> None:
+    _check_tensor(name, t, ndim)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+
+
+def _check_cache_pair(k_cache, v_cache) -> None:
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape and strides, got {tuple(k_cache.shape)} "
+            f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}"
+        )
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError(
+            f"k_cache and v_cache must share dtype and device, got {k_cache.dtype} on {k_cache.device} "
+            f"and {v_cache.dtype} on {v_cache.device}"
+        )
+    if k_cache.dtype not in (*QUERY_DTYPES, FP8_DTYPE):
+        raise TypeError(f"cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, got {k_cache.dtype}")
+
+
+def _check_scales(k_cache, k_scale, v_scale) -> None:
+    h_kv = k_cache.shape[2]
+    if k_cache.dtype == FP8_DTYPE:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None:
+                raise ValueError(f"{name} is required for a float8_e4m3fn cache (one scale per kv head)")
+            _check_tensor(name, s, 1)
+            if s.shape != (h_kv,) or s.dtype != torch.float32 or s.device != k_cache.device:
+                raise ValueError(
+                    f"{name} must be float32 of shape ({h_kv},) on {k_cache.device}, got {s.dtype} "
+                    f"{tuple(s.shape)} on {s.device}"
+                )
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale/v_scale apply to float8_e4m3fn caches only, the cache is {k_cache.dtype}")
+
+
+def _rows_of(k_cache, block_table) -> int:
+    """Cache rows (sequences) addressable: block-table rows if paged, batch rows otherwise."""
+    return block_table.shape[0] if block_table is not None else k_cache.shape[0]
+
+
+# ----------------------------------------------------------------------------------------
+# append
+
+
+def kv_append(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    seq_ids: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write k_new/v_new (B, T_new, H_kv, D) into the cache at each sequence's current length.
+
+    Batch entry b writes its first counts[b] (default T_new) tokens to cache row seq_ids[b]
+    (default b) at positions lengths[row], lengths[row] + 1, ...; lengths is NOT advanced (the
+    caller owns it). k_cache/v_cache: (B_cache, T_max, H_kv, D), or pools
+    (num_blocks, block_size, H_kv, D) with block_table (rows, max_blocks). A float8_e4m3fn
+    cache stores x / scale per kv head, saturated to +-448. The caller guarantees that every
+    written position lies inside the cache (the cache classes check it on the host).
+    """
+    _check_cache_pair(k_cache, v_cache)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        _check_tensor(name, t, 4)
+        if t.dtype not in QUERY_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {k_cache.device}")
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    if k_new.shape[2:] != k_cache.shape[2:]:
+        raise ValueError(f"k_new heads/dim {tuple(k_new.shape[2:])} != cache heads/dim {tuple(k_cache.shape[2:])}")
+    _check_scales(k_cache, k_scale, v_scale)
+    _check_index("lengths", lengths, k_cache.device, 1)
+    for name, t in (("seq_ids", seq_ids), ("counts", counts)):
+        if t is not None:
+            _check_index(name, t, k_cache.device, 1)
+            if t.shape[0] != k_new.shape[0]:
+                raise ValueError(f"{name} must have one entry per batch entry ({k_new.shape[0]}), got {t.shape[0]}")
+    if block_table is not None:
+        _check_index("block_table", block_table, k_cache.device, 2)
+    if torch.compiler.is_compiling():
+        torch.ops.kernel_lab.kvcache_append(
+            k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale
+        )
+    else:
+        kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
+
+
+def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale per head (last-but-one dim), saturated to the e4m3 range, as float8_e4m3fn."""
+    return (x.float() / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+
+
+def _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale):
+    """The append with torch indexing (the "reference" backend: CPU without the interpreter)."""
+    bsz, t_new = k_new.shape[:2]
+    page = k_cache.shape[1]
+    for b in range(bsz):
+        row = int(seq_ids[b]) if seq_ids is not None else b
+        n = int(counts[b]) if counts is not None else t_new
+        pos = int(lengths[row]) + torch.arange(n)
+        if block_table is not None:
+            blocks = block_table[row].long()[pos // page]
+            slots = pos % page
+        else:
+            blocks = torch.full_like(pos, row)
+            slots = pos
+        for src, dst, s in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
+            x = src[b, :n]
+            dst[blocks, slots] = _quantize_fp8(x, s) if s is not None else x.to(dst.dtype)
+
+
+def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale) -> None:
+    """Launcher of the append (inputs already checked): one Triton launch for the whole batch."""
+    bsz, t_new, h_kv, d = k_new.shape
+    if bsz * t_new == 0:
+        return
+    if runtime.backend(k_cache) == "reference":
+        _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
+        return
+    dummy = lengths  # stands in for absent optional pointers; never read (constexpr flags)
+    wrap_triton(_kv_append_kernel)[(bsz * t_new,)](
+        k_new, v_new, *k_new.stride(), *v_new.stride(),
+        k_cache, v_cache, *k_cache.stride(),
+        lengths,
+        seq_ids if seq_ids is not None else dummy,
+        counts if counts is not None else dummy,
+        block_table if block_table is not None else dummy,
+        block_table.stride(0) if block_table is not None else 0,
+        k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        t_new, h_kv, d,
+        PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1],
+        HAS_SEQ_IDS=seq_ids is not None, HAS_COUNTS=counts is not None, QUANT=k_scale is not None,
+        BLOCK_H=triton.next_power_of_2(h_kv), BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# decode
+
+
+def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
+    """Split-K factor: enough programs to fill the GPU, each split at least MIN_SPLIT_LEN keys.
+
+    E.g. B=1, 8 kv heads on 132 SMs: 8 programs without splitting would leave 124 SMs idle,
+    so a 128k context is cut into 66 splits (528 programs); B=64 already has 512 programs at
+    one split and is not split.
+    """
+    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    programs = max(1, batch * h_kv * m_tiles)
+    by_occupancy = (SPLIT_PROGRAMS_PER_SM * sm_count) // programs
+    by_length = max_len // MIN_SPLIT_LEN
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
+    rows = group * t_q
+    block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of the newest T_q tokens of each sequence over its cached keys/values.
+
+    out[b, t, h] = softmax(q[b, t, h] . K^T * scale) V over the keys of cache row
+    r = seq_ids[b] (default b) at positions p < lengths[r] with p <= lengths[r] - T_q + t
+    (the queries are the last T_q tokens, already appended); K/V of query head h is kv head
+    h // (H_q / H_kv) (GQA/MQA). A query with no key returns zeros.
+
+    q: (B, H_q, D) or (B, T_q, H_q, D), float16/bfloat16/float32, any strides.
+    k_cache, v_cache: (B_cache, T_max, H_kv, D) contiguous caches, or with `block_table`
+    (rows, max_blocks) int pools (num_blocks, block_size, H_kv, D); the dtype of q, or
+    float8_e4m3fn with per-kv-head float32 `k_scale`/`v_scale` (H_kv,).
+    lengths: (rows,) int32/int64. scale: default 1/sqrt(D). num_splits: the split-K factor
+    (default: chosen from batch, heads, max_len and the SM count). max_len: an upper bound of
+    lengths used for that choice (default: the cache capacity; the caches pass their own).
+    Returns q's shape and dtype. Raises TypeError/ValueError on mismatched inputs.
+    """
+    _check_tensor("q", q, (3, 4))
+    if q.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    _check_cache_pair(k_cache, v_cache)
+    if k_cache.device != q.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {k_cache.device}")
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise TypeError(f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} or float8_e4m3fn")
+    h_q, d = q.shape[-2:]
+    h_kv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head dim of q ({d}) != head dim of the cache ({k_cache.shape[3]})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be <= {MAX_HEAD_DIM}, got {d}")
+    if h_q % h_kv != 0:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of kv heads ({h_kv})")
+    _check_scales(k_cache, k_scale, v_scale)
+    if block_table is not None:
+        _check_index("block_table", block_table, q.device, 2)
+    _check_index("lengths", lengths, q.device, 1)
+    rows = _rows_of(k_cache, block_table)
+    if lengths.shape[0] != rows:
+        raise ValueError(f"lengths must have one entry per cache row ({rows}), got {lengths.shape[0]}")
+    if seq_ids is not None:
+        _check_index("seq_ids", seq_ids, q.device, 1)
+        if seq_ids.shape[0] != q.shape[0]:
+            raise ValueError(f"seq_ids must have one entry per query row ({q.shape[0]}), got {seq_ids.shape[0]}")
+    elif q.shape[0] > rows:
+        raise ValueError(f"q has {q.shape[0]} sequences but the cache has {rows} rows")
+    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if max_len is None:
+        max_len = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    lengths = lengths.to(torch.int32)
+    seq_ids = seq_ids.to(torch.int32) if seq_ids is not None else None
+    block_table = block_table.to(torch.int32) if block_table is not None else None
+    q4 = q if q.dim() == 4 else q.unsqueeze(1)
+    if num_splits is None:
+        _, m_tiles = _m_tiling(h_q // h_kv, q4.shape[1])
+        num_splits = num_splits_for(q.shape[0], h_kv, m_tiles, max_len, q.device)
+    if torch.compiler.is_compiling():
+        out = torch.ops.kernel_lab.kvcache_decode(
+            q4, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, float(scale), num_splits
+        )
+    else:
+        out = flash_decode_fwd(q4, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
+                               float(scale), num_splits)
+    return out if q.dim() == 4 else out.squeeze(1)
+
+
+def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale):
+    """Gather each query row's cache and run the shared float32 reference."""
+    rows = seq_ids.long() if seq_ids is not None else torch.arange(q.shape[0], device=q.device)
+    lens = lengths.long()[rows]
+    if block_table is not None:
+        k = reference.paged_gather(k_cache, block_table[rows], lens, compute_dtype=torch.float32)
+        v = reference.paged_gather(v_cache, block_table[rows], lens, compute_dtype=torch.float32)
+    else:
+        k, v = k_cache[rows], v_cache[rows]
+    out = reference.decode_attention(q, k, v, lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                     compute_dtype=torch.float32)
+    return out.to(q.dtype)
+
+
+def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
+                     scale: float, num_splits: int) -> torch.Tensor:
+    """Launcher of decode attention (inputs checked, q 4-D, index tensors int32)."""
+    bsz, t_q, h_q, d = q.shape
+    if runtime.backend(q) == "reference":
+        return _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    block_m, m_tiles = _m_tiling(group, t_q)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty((bsz, h_q, t_q, num_splits, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((bsz, h_q, t_q, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # never touched: SPLIT is a constexpr
+    dummy = lengths
+    # Autotune keys: the split length and the number of programs, as powers of two, so a
+    # 128k-token single sequence and a batch of 64 short ones may pick different tiles.
+    max_chunk = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    len_bucket = int(math.log2(max(1, max_chunk // num_splits)))
+    work_bucket = int(math.log2(max(1, bsz * h_kv * m_tiles * num_splits)))
+    grid = (bsz * h_kv * m_tiles, num_splits)
+    wrap_triton(_decode_split_kernel)[grid](
+        q, *q.stride(),
+        k_cache, v_cache, *k_cache.stride(),
+        lengths,
+        seq_ids if seq_ids is not None else dummy,
+        block_table if block_table is not None else dummy,
+        block_table.stride(0) if block_table is not None else 0,
+        k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        out, *out.stride(),
+        o_part, lse_part,
+        scale * LOG2E,
+        h_kv, t_q, group, m_tiles, num_splits,
+        len_bucket, work_bucket,
+        HEAD_DIM=d, BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)), BLOCK_M=block_m,
+        PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1], HAS_SEQ_IDS=seq_ids is not None,
+        QUANT=k_scale is not None, SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if split:
+        wrap_triton(_decode_merge_kernel)[(bsz * h_q * t_q,)](
+            o_part, lse_part, out, *out.stride(), h_q, t_q, num_splits,
+            HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# torch.library registration: what torch.compile sees.
+
+
+@triton_op("kernel_lab::kvcache_decode", mutates_args=())
+def _kvcache_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_ids: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    return flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale, num_splits)
+
+
+@triton_op("kernel_lab::kvcache_append", mutates_args={"k_cache", "v_cache"})
+def _kvcache_append_op(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    seq_ids: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)

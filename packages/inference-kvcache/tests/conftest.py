@@ -1,0 +1,66 @@
+"""Helpers shared by the tests: fill a cache with known tokens, build the dense expectation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_lab.inference_kvcache import KVCache, PagedKVCache
+from kernel_lab.shared import reference
+from kernel_lab.shared.testing import randn
+
+
+def make_cache(kind: str, *, layers=1, batch, max_len, h_kv, d, dtype, device, block_size=4):
+    """An empty cache of `kind` ("contiguous" or "paged"), storage poisoned with NaN so that a
+    read outside the written tokens shows; paged sequences 0..batch-1 allocated."""
+    if kind == "contiguous":
+        cache = KVCache(layers, batch, max_len, h_kv, d, dtype=dtype, device=device)
+    else:
+        # A shuffled free list, so sequences get scattered, non-consecutive blocks.
+        num_blocks = batch * -(-max_len // block_size) + 3
+        cache = PagedKVCache(num_blocks, block_size, layers, h_kv, d, dtype=dtype, device=device,
+                             max_seqs=batch + 2)
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks)).tolist()
+        cache._free = perm
+        for s in range(batch):
+            cache.allocate(s)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    return cache
+
+
+def fill(cache, layer, lengths, *, dtype, seed, prefill):
+    """Append random tokens until sequence b holds lengths[b]: one ragged prefill of up to
+    `prefill` tokens per sequence (one launch), then one-token decode appends. Returns the
+    dense K, V (B, max(lengths), H, D) that were appended, in `dtype`."""
+    bsz = len(lengths)
+    t_max = max(max(lengths), 1)
+    shape = (bsz, t_max, cache.num_kv_heads, cache.head_dim)
+    k = randn(*shape, dtype=dtype, seed=seed, device=cache.device)
+    v = randn(*shape, dtype=dtype, seed=seed + 1, device=cache.device)
+    pos = [min(prefill, n) for n in lengths]
+    if max(pos) > 0:
+        cache.append(layer, k[:, : max(pos)], v[:, : max(pos)], num_new=pos)
+    rows = torch.arange(bsz)
+    while any(p < n for p, n in zip(pos, lengths, strict=True)):
+        step = [int(p < n) for p, n in zip(pos, lengths, strict=True)]
+        idx = torch.tensor([min(p, t_max - 1) for p in pos])
+        cache.append(layer, k[rows, idx][:, None], v[rows, idx][:, None], num_new=step)
+        pos = [p + s for p, s in zip(pos, step, strict=True)]
+    return k, v
+
+
+def dense_view(cache, layer, rows):
+    """The cache contents of `rows` as a dense (B, max_len, H, D) float64 tensor."""
+    lengths = torch.tensor([cache.seq_len(layer, r) for r in rows])
+    if isinstance(cache, PagedKVCache):
+        table = cache.block_table[rows].cpu()
+        return (reference.paged_gather(cache.k[layer].cpu(), table, lengths),
+                reference.paged_gather(cache.v[layer].cpu(), table, lengths))
+    n = int(lengths.max())
+    return cache.k[layer, rows, :n].cpu().double(), cache.v[layer, rows, :n].cpu().double()
+
+
+@pytest.fixture(params=["contiguous", "paged"])
+def cache_kind(request) -> str:
+    return request.param

@@ -1,0 +1,218 @@
+"""KVCache / PagedKVCache: appends land where they should, the allocator, input checks."""
+
+import random
+
+import pytest
+import torch
+from conftest import dense_view, fill, make_cache
+
+from kernel_lab.inference_kvcache import KVCache, PagedKVCache, kv_append
+from kernel_lab.inference_kvcache import ops as kv_ops
+from kernel_lab.shared import reference
+from kernel_lab.shared.testing import randn
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_append_ragged_prefill_and_decode_tokens_land_in_order(kernel_device, seed, cache_kind, dtype):
+    # Block size 3 (not a power of two) and lengths 0, 1, 3, 7, 10: appends start and end
+    # inside blocks and cross block boundaries, in the prefill and in the decode steps.
+    lengths = [7, 0, 10, 1, 3]
+    cache = make_cache(cache_kind, batch=5, max_len=12, h_kv=3, d=8, dtype=dtype, device=kernel_device,
+                       block_size=3)
+    k, v = fill(cache, 0, lengths, dtype=dtype, seed=seed, prefill=5)
+    assert cache.lengths(0).tolist()[:5] == lengths
+    got_k, got_v = dense_view(cache, 0, list(range(5)))
+    for b, n in enumerate(lengths):
+        assert torch.equal(got_k[b, :n], k[b, :n].cpu().double()), f"keys of sequence {b}"
+        assert torch.equal(got_v[b, :n], v[b, :n].cpu().double()), f"values of sequence {b}"
+
+
+@pytest.mark.interpret
+def test_append_strided_inputs_and_seq_ids(kernel_device, seed, cache_kind):
+    cache = make_cache(cache_kind, batch=4, max_len=8, h_kv=2, d=16, dtype=torch.float16,
+                       device=kernel_device)
+    # (B, H, T, D) storage seen as (B, T, H, D): no unit stride on the token dim.
+    k = randn(2, 2, 5, 16, dtype=torch.float16, seed=seed, device=kernel_device).transpose(1, 2)
+    v = randn(2, 2, 5, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device).transpose(1, 2)
+    cache.append(0, k, v, seq_ids=[3, 1], num_new=[5, 2])
+    assert cache.lengths(0).tolist()[:4] == [0, 2, 0, 5]
+    got_k, got_v = dense_view(cache, 0, [3, 1])
+    assert torch.equal(got_k[0], k[0].cpu().double()) and torch.equal(got_v[0], v[0].cpu().double())
+    assert torch.equal(got_k[1, :2], k[1, :2].cpu().double())
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp8_append_stores_the_bytes_torch_quantization_gives(kernel_device, seed, cache_kind, in_dtype):
+    cache = make_cache(cache_kind, batch=2, max_len=9, h_kv=3, d=16, dtype=torch.float8_e4m3fn,
+                       device=kernel_device)
+    k = randn(2, 9, 3, 16, dtype=in_dtype, seed=seed, device=kernel_device, scale=3.0)
+    v = randn(2, 9, 3, 16, dtype=in_dtype, seed=seed + 1, device=kernel_device)
+    # Out of range, ties and signed zeros: saturation and round-to-nearest-even are visible.
+    k[0, 0, 0, :6] = torch.tensor([1e4, -1e4, 0.0, -0.0, 1e-9, -1e-9])
+    cache.set_scales(0, torch.tensor([0.01, 0.003, 0.5]), torch.tensor([0.02, 1.0, 0.004]))
+    cache.append(0, k, v, num_new=[9, 4])
+    for src, pool, s in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        expected = (src.float().cpu() / s[0].cpu()[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if cache_kind == "paged":
+            got = [pool[0, cache.block_table[r, t // cache.block_size].item(), t % cache.block_size]
+                   for r, t in ((0, t) for t in range(9))]
+            got = torch.stack(got).cpu()
+        else:
+            got = pool[0, 0, :9].cpu()
+        assert torch.equal(got.view(torch.uint8), expected[0].view(torch.uint8))
+    assert cache.lengths(0).tolist()[:2] == [9, 4]
+
+
+@pytest.mark.interpret
+def test_fp8_first_append_calibrates_per_head_scales(kernel_device, seed):
+    cache = KVCache(1, 2, 6, 2, 16, dtype=torch.float8_e4m3fn, device=kernel_device)
+    k = randn(2, 6, 2, 16, seed=seed, device=kernel_device)
+    k[:, :, 1] *= 100
+    cache.append(0, k, k)
+    amax = k.abs().amax(dim=(0, 1, 3)).cpu()
+    torch.testing.assert_close(cache.k_scale[0].cpu(), amax / 448)
+    restored = cache.k[0].float().cpu() * cache.k_scale[0].cpu()[:, None]
+    # e4m3 has 3 mantissa bits: relative error <= 2^-4 of each value's binade.
+    torch.testing.assert_close(restored, k.cpu(), rtol=2**-4, atol=amax.max().item() * 2**-9)
+
+
+def test_kvcache_overflow_raises_and_writes_nothing():
+    cache = KVCache(2, 2, 4, 1, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="over max_seq_len 4"):
+        cache.append(1, torch.zeros(2, 5, 1, 8), torch.zeros(2, 5, 1, 8), num_new=[1, 5])
+    assert cache.lengths(1).tolist() == [0, 0] and cache.seq_len(1, 1) == 0
+
+
+def test_kvcache_reset_empties_sequences_at_every_layer():
+    cache = KVCache(2, 3, 4, 1, 8, dtype=torch.float32)
+    for layer in range(2):
+        cache.append(layer, torch.ones(3, 2, 1, 8), torch.ones(3, 2, 1, 8))
+    cache.reset([0, 2])
+    assert cache.lengths(0).tolist() == [0, 2, 0] and cache.lengths(1).tolist() == [0, 2, 0]
+    assert cache.seq_len(1, 2) == 0 and cache.seq_len(1, 1) == 2
+
+
+def _assert_allocator_consistent(cache: PagedKVCache):
+    owned = [b for s in cache.live_sequences() for b in cache.owned_blocks(s)]
+    assert len(owned) == len(set(owned)), "a block is owned by two live sequences"
+    assert sorted(owned + cache._free) == list(range(cache.num_blocks)), "blocks lost or duplicated"
+    for s in cache.live_sequences():
+        blocks = cache.owned_blocks(s)
+        assert cache.block_table[s, : len(blocks)].tolist() == blocks
+
+
+def test_paged_allocator_random_allocate_free_never_shares_a_block(seed):
+    rng = random.Random(seed)
+    cache = PagedKVCache(40, 4, 1, 1, 8, dtype=torch.float32, max_seqs=12, max_blocks_per_seq=16)
+    for _ in range(300):
+        live = cache.live_sequences()
+        op = rng.random()
+        if op < 0.45 and len(live) < cache.max_seqs:
+            s = rng.choice([i for i in range(cache.max_seqs) if i not in live])
+            n = rng.randint(0, 30)
+            free_before = cache.num_free_blocks
+            if -(-n // 4) > free_before:
+                with pytest.raises(ValueError, match="out of KV cache blocks"):
+                    cache.allocate(s, n)
+                assert cache.num_free_blocks == free_before and s not in cache.live_sequences()
+            else:
+                cache.allocate(s, n)
+        elif op < 0.75 and live:
+            s = rng.choice(live)
+            need = len(cache.owned_blocks(s)) * 4 + rng.randint(1, 9)
+            try:
+                cache._reserve({s: need})
+            except ValueError as e:  # out of blocks or over max_blocks_per_seq: both legal here
+                assert "out of KV cache blocks" in str(e) or "max_blocks_per_seq" in str(e)
+        elif live:
+            cache.free(rng.choice(live))
+        _assert_allocator_consistent(cache)
+
+
+def test_paged_append_out_of_blocks_raises_and_writes_nothing():
+    cache = PagedKVCache(3, 4, 1, 1, 8, dtype=torch.float32, max_seqs=2)
+    cache.allocate(0)
+    cache.allocate(1, 8)
+    with pytest.raises(ValueError, match="need 2 more, 1 free"):
+        cache.append(0, torch.zeros(1, 5, 1, 8), torch.zeros(1, 5, 1, 8))
+    assert cache.owned_blocks(0) == [] and cache.num_free_blocks == 1 and cache.seq_len(0, 0) == 0
+
+
+def test_paged_lifecycle_errors():
+    cache = PagedKVCache(4, 2, 1, 1, 8, dtype=torch.float32, max_seqs=2)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.append(0, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+    cache.allocate(0)
+    with pytest.raises(ValueError, match="already allocated"):
+        cache.allocate(0)
+    with pytest.raises(ValueError, match="seq_id must be an int in"):
+        cache.allocate(2)
+    cache.free(0)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(0)
+
+
+@pytest.mark.parametrize(
+    "make, match, exc",
+    [
+        (lambda c: c.append(0, torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8)), r"must be \(B, T_new, 1, 8\)",
+         ValueError),
+        (lambda c: c.append(0, torch.zeros(1, 1, 1, 8, dtype=torch.float64), torch.zeros(1, 1, 1, 8)),
+         "must be torch.float32", TypeError),
+        (lambda c: c.append(0, torch.zeros(1, 1, 1, 8), torch.zeros(1, 2, 1, 8)), "same shape", ValueError),
+        (lambda c: c.append(3, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8)), "layer must be", ValueError),
+        (lambda c: c.append(0, torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8), seq_ids=[1, 1]), "distinct",
+         ValueError),
+        (lambda c: c.append(0, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), seq_ids=[5]), "outside",
+         ValueError),
+        (lambda c: c.append(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), num_new=[3]), r"in \[0, 2\]",
+         ValueError),
+        (lambda c: c.set_scales(0, torch.ones(1), torch.ones(1)), "float8_e4m3fn caches", ValueError),
+        (lambda c: KVCache(1, 1, 0, 1, 8), "max_seq_len must be a positive int", ValueError),
+        (lambda c: KVCache(1, 1, 4, 1, 8, dtype=torch.int8), "dtype must be one of", TypeError),
+    ],
+)
+def test_cache_input_checks(make, match, exc):
+    cache = KVCache(1, 2, 4, 1, 8, dtype=torch.float32)
+    with pytest.raises(exc, match=match):
+        make(cache)
+
+
+def test_kv_append_tensor_level_checks():
+    kc = torch.zeros(2, 4, 1, 8, dtype=torch.float8_e4m3fn)
+    new = torch.zeros(2, 1, 1, 8)
+    lengths = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        kv_append(new, new, kc, kc.clone(), lengths)
+    with pytest.raises(ValueError, match="same shape and strides"):
+        kv_append(new, new, kc, torch.zeros(2, 5, 1, 8, dtype=torch.float8_e4m3fn), lengths)
+    with pytest.raises(TypeError, match="lengths must be int32 or int64"):
+        kv_append(new, new, kc.float(), kc.float(), lengths.float())
+    with pytest.raises(ValueError, match="seq_ids must have one entry per batch entry"):
+        kv_append(new, new, kc.float(), kc.float(), lengths, seq_ids=torch.zeros(3, dtype=torch.int32))
+
+
+def test_reference_backend_append_and_decode(monkeypatch, seed, cache_kind):
+    """CPU without the interpreter: torch indexing and the shared reference do the work."""
+    monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "reference")
+    from kernel_lab.inference_kvcache import decode_attention
+
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        cache = make_cache(cache_kind, batch=3, max_len=9, h_kv=2, d=8, dtype=dtype, device="cpu")
+        lengths = [9, 0, 4]
+        k, _ = fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=3)
+        got_k, _ = dense_view(cache, 0, [0, 1, 2])
+        expected = k.double()
+        if dtype == torch.float8_e4m3fn:
+            s = cache.k_scale[0]
+            expected = (k / s[:, None]).clamp(-448, 448).to(dtype).double()
+        for b, n in enumerate(lengths):
+            assert torch.equal(got_k[b, :n], expected[b, :n])
+        q = randn(3, 4, 8, seed=seed + 2)
+        out = decode_attention(q, cache, 0)
+        scales = {"k_scale": cache.k_scale[0], "v_scale": cache.v_scale[0]} if cache.is_fp8 else {}
+        _, got_v = dense_view(cache, 0, [0, 1, 2])
+        ref = reference.decode_attention(q, got_k, got_v, torch.tensor(lengths), **scales)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
