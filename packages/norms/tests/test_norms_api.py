@@ -4,13 +4,19 @@ Unmarked tests run anywhere on the CPU (reference tier); those that need the PyT
 path set TRITON_INTERPRET=0 for their duration (`runtime.backend` reads it at call time).
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from _norms_checks import OPS, baseline, call, check_op, make_inputs, ref_forward
 from torch import nn
 
 from kernel_lab.norms import LayerNorm, RMSNorm, layer_norm, patch_hf, residual_rms_norm, rms_norm, rms_norm_gated
 from kernel_lab.shared import reference, testing
+
+# nox runs pytest with --import-mode=importlib, which leaves this folder off sys.path
+sys.path.insert(0, str(Path(__file__).parent))
+from _norms_checks import OPS, baseline, call, check_op, make_inputs, ref_forward
 
 
 @pytest.fixture

@@ -5,13 +5,19 @@ Tiers (kernel_lab.shared.pytest_plugin): `interpret` tests run the real kernels 
 shapes (CPU under TRITON_INTERPRET=1, or CUDA), `gpu` tests run LLM-sized shapes.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from _norms_checks import OPS, check_op, make_inputs
 
 import kernel_lab.norms.ops as ops
 from kernel_lab.norms import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
 from kernel_lab.shared import reference, testing
+
+# nox runs pytest with --import-mode=importlib, which leaves this folder off sys.path
+sys.path.insert(0, str(Path(__file__).parent))
+from _norms_checks import OPS, call, check_op, make_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -171,8 +177,6 @@ def test_torch_compile_fullgraph_inductor(op, seed):
 
 
 def _call(op, kw):
-    from _norms_checks import call
-
     full = dict.fromkeys(("residual", "gate", "weight", "bias")) | kw
     return call(op, full, 1e-6, 0.0)
 
