@@ -219,18 +219,21 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
     assert patch_hf(model) == 0  # nothing left to swap
 
 
-def test_patch_hf_on_a_transformers_llama_keeps_logits(seed):
+@pytest.mark.interpret
+def test_patch_hf_on_a_transformers_llama_keeps_logits(kernel_device, seed):
+    # float32 on both sides: the only difference is our kernels against HF's eager norm
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(seed % 2**31)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval().to(kernel_device)
     for m in model.modules():  # random norm weights, so that a dropped weight shows
         if type(m).__name__ == "LlamaRMSNorm":
             nn.init.normal_(m.weight, 1.0, 0.3)
-    ids = torch.randint(0, 128, (2, 17), generator=testing.make_generator(seed))
+    ids = torch.randint(0, 128, (2, 17), generator=testing.make_generator(seed)).to(kernel_device)
     with torch.no_grad():
         expected = model(ids).logits
     assert patch_hf(model) == 2 * 2 + 1  # two per layer and the final norm
+    assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 5
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
