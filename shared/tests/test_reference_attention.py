@@ -153,3 +153,44 @@ def test_attention_reference_compute_dtype_is_honoured():
     q = randn(1, 1, 4, 8, dtype=torch.bfloat16, seed=0)
     assert reference.attention(q, q, q).dtype == torch.float64
     assert reference.attention(q, q, q, compute_dtype=torch.float32).dtype == torch.float32
+
+
+def test_attention_backward_reference_with_lse_gradient_matches_autograd(seed):
+    q = randn(1, 4, 7, 8, dtype=torch.float64, seed=seed, requires_grad=True)
+    k = randn(1, 2, 5, 8, dtype=torch.float64, seed=seed + 1, requires_grad=True)
+    v = randn(1, 2, 5, 8, dtype=torch.float64, seed=seed + 2, requires_grad=True)
+    do, dlse = randn(1, 4, 7, 8, dtype=torch.float64, seed=seed + 3), randn(1, 4, 7, dtype=torch.float64, seed=seed)
+    allowed = reference.attention_mask(7, 5, causal=True)
+    s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)
+    lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
+    live = torch.isfinite(lse)  # rows 0 and 1 see no key: their lse is a constant -inf
+    loss = (_sdpa64(q, k, v, allowed) * do).sum() + (torch.where(live, lse, 0) * dlse).sum()
+    expected = torch.autograd.grad(loss, (q, k, v))
+    got = reference.attention_backward(q, k, v, do, causal=True, grad_lse=dlse)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_varlen_backward_reference_matches_autograd(seed):
+    lens_q, lens_k = [3, 0, 1, 6, 2], [4, 2, 1, 6, 0]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(sum(lens_q), 2, 8, dtype=torch.float64, seed=seed, requires_grad=True)
+    k = randn(sum(lens_k), 1, 8, dtype=torch.float64, seed=seed + 1, requires_grad=True)
+    v = randn(sum(lens_k), 1, 8, dtype=torch.float64, seed=seed + 2, requires_grad=True)
+    do = randn(sum(lens_q), 2, 8, dtype=torch.float64, seed=seed + 3)
+    out = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True, window=(2, -1))
+    expected = torch.autograd.grad(out, (q, k, v), do)
+    got = reference.attention_varlen_backward(q, k, v, do, cu_q, cu_k, causal=True, window=(2, -1))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_backward_reference_matches_autograd(seed, interleaved):
+    x = randn(2, 3, 5, 16, dtype=torch.float64, seed=seed, requires_grad=True)
+    cos, sin = randn(5, 12, dtype=torch.float64, seed=seed + 1), randn(5, 12, dtype=torch.float64, seed=seed + 2)
+    dy = randn(2, 3, 5, 16, dtype=torch.float64, seed=seed + 3)
+    (expected,) = torch.autograd.grad(reference.rope(x, cos, sin, interleaved=interleaved), x, dy)
+    got = reference.rope_backward(dy, cos, sin, interleaved=interleaved)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

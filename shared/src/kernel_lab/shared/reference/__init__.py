@@ -13,7 +13,9 @@ from .attention import (
     attention_blocked,
     attention_mask,
     attention_varlen,
+    attention_varlen_backward,
     rope,
+    rope_backward,
 )
 from .gemm import (
     dequantize_weight,
@@ -65,6 +67,7 @@ __all__ = [
     "attention_blocked",
     "attention_mask",
     "attention_varlen",
+    "attention_varlen_backward",
     "bias_gelu",
     "bias_gelu_backward",
     "decode_attention",
@@ -95,6 +98,7 @@ __all__ = [
     "rms_norm_gated_backward",
     "rms_norm_linear",
     "rope",
+    "rope_backward",
     "silu",
     "silu_and_mul",
     "silu_and_mul_backward",

@@ -136,14 +136,39 @@ def attention_backward(
     causal: bool = False,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    grad_lse: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `attention` for the output gradient `grad_out` (autograd through the
-    naive reference). With GQA, dk/dv are summed over the query heads that share a kv head."""
-    q, k, v = (t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v))
-    with torch.enable_grad():
-        out = attention(q, k, v, causal=causal, scale=scale, window=window, compute_dtype=compute_dtype)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out.to(compute_dtype))
+    """(dq, dk, dv) of `attention` for the output gradient `grad_out` (and optionally the
+    gradient `grad_lse` of the logsumexp), by the explicit formulas (no autograd, so it also
+    runs inside custom ops):
+
+        P = softmax(S), dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O) + dlse),
+        dQ = scale * dS K, dK = scale * dS^T Q.
+
+    With GQA, dk/dv are summed over the query heads that share a kv head.
+    """
+    q, k, v, do = (t.to(compute_dtype) for t in (q, k, v, grad_out))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    hq, hkv = q.shape[-3], k.shape[-3]
+    ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+    s = torch.matmul(q, ke.transpose(-1, -2)) * scale
+    allowed = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+    out = torch.matmul(p, ve)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, ve.transpose(-1, -2))
+    delta = (do * out).sum(dim=-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(compute_dtype).unsqueeze(-1)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    if hq != hkv:  # sum the gradients of the query heads that share each kv head
+        dk = dk.unflatten(-3, (hkv, hq // hkv)).sum(-3)
+        dv = dv.unflatten(-3, (hkv, hq // hkv)).sum(-3)
     return dq, dk, dv
 
 
@@ -191,6 +216,44 @@ def attention_varlen(
         out[qs] = o_b[0].transpose(0, 1)
         lse[:, qs] = lse_b[0]
     return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    grad_lse: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_varlen`, sequence by sequence with `attention_backward`.
+    grad_lse, if given, is (Hq, total_q) like the forward's lse."""
+    cq = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    ck = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=compute_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=compute_dtype, device=v.device)
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b] or ck[b + 1] == ck[b]:
+            continue  # no query, or no key: every gradient of this sequence is 0
+
+        def heads_first(t, rows):
+            return t[rows].transpose(0, 1).unsqueeze(0)
+
+        g = attention_backward(
+            heads_first(q, qs), heads_first(k, ks), heads_first(v, ks), heads_first(grad_out, qs),
+            causal=causal, scale=scale, window=window,
+            grad_lse=None if grad_lse is None else grad_lse[:, qs].unsqueeze(0), compute_dtype=compute_dtype,
+        )
+        dq[qs], dk[ks], dv[ks] = (t[0].transpose(0, 1) for t in g)
+    return dq, dk, dv
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -245,3 +308,25 @@ def apply_rope(
     kw = dict(position_ids=position_ids, interleaved=interleaved, rotary_dim=rotary_dim,
               compute_dtype=compute_dtype)
     return rope(q, cos, sin, **kw), rope(k, cos, sin, **kw)
+
+
+def rope_backward(
+    grad: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """dx of `rope` for the output gradient dy: the rotation is antisymmetric (R^T = -R), so
+    dx = dy * cos - rotate(dy * sin) on the first R dims, dy elsewhere."""
+    dy = grad.to(compute_dtype)
+    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    cos, sin = cos[..., :r].unsqueeze(-3), sin[..., :r].unsqueeze(-3)
+    dy_rot, dy_pass = dy[..., :r], dy[..., r:]
+    return torch.cat((dy_rot * cos - _rotate(dy_rot * sin, interleaved), dy_pass), dim=-1)

@@ -1,0 +1,484 @@
+"""Triton kernels of kernel_lab.attention: FlashAttention-2 forward/backward and RoPE.
+
+Notation: a program owns BLOCK_M query rows (forward, dq) or BLOCK_N key rows (dk/dv) of one
+(sequence, head). Scores are kept in log2 units (scale * log2(e) folded into one multiply) so
+the softmax uses exp2; the logsumexp handed to the caller and the backward is in natural-log
+units. Query row i sees key j iff  i + diag - left <= j <= i + diag + right, diag = Tk - Tq
+(bottom-right alignment); the launcher passes "unbounded" as a large number and causal as
+right = 0. Each kernel splits its loop into blocks that need that mask (window edges, the
+diagonal, the key tail) and blocks that do not, so most blocks run without any masking.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _seq_bounds(pid_b, CU_SEQLENS, seqlen, IS_VARLEN: tl.constexpr):
+    """(start, length) of sequence pid_b: packed (cu_seqlens) or fixed-length."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + pid_b)
+        end = tl.load(CU_SEQLENS + pid_b + 1)
+        return start, end - start
+    else:
+        # A tensor zero (not the literal 0) so callers can widen it with .to(tl.int64).
+        return pid_b * 0, seqlen
+
+
+@triton.jit
+def _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks seen by query rows [m0, m0 + BLOCK_M): [lo, hi) holds every key any row may see;
+    [full_lo, full_hi) (BLOCK_N-aligned) holds the keys every row sees, which need no mask."""
+    diag = seqlen_k - seqlen_q
+    lo = tl.maximum(m0 + diag - left, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(m0 + BLOCK_M + diag + right, seqlen_k)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - left, 0)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.maximum(tl.minimum(m0 + diag + right + 1, seqlen_k), 0)
+    full_hi = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_ranges(n0, seqlen_q, seqlen_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see key rows [n0, n0 + BLOCK_N), split like `_key_ranges`."""
+    diag = seqlen_k - seqlen_q
+    lo = tl.maximum(n0 - diag - right, 0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(n0 + BLOCK_N - diag + left, seqlen_q)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.maximum(n0 + BLOCK_N - 1 - diag - right, 0)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo), hi)
+    full_hi = tl.maximum(tl.minimum(n0 - diag + left + 1, seqlen_q), 0)
+    full_hi = tl.maximum((full_hi // BLOCK_M) * BLOCK_M, full_lo)
+    if n0 + BLOCK_N > seqlen_k:
+        # A key tail block needs its mask in every query block.
+        full_hi = full_lo
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _allowed(offs_m, offs_n, seqlen_q, seqlen_k, left, right):
+    """(M, N) mask of the (query, key) pairs that attend, inside both sequences."""
+    rel = offs_n[None, :] - (offs_m[:, None] + (seqlen_k - seqlen_q))
+    return (rel <= right) & (rel >= -left) & (offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+    n_lo, n_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+    MASK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) over key blocks [n_lo, n_hi)."""
+    arange_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + arange_n
+        # K is read transposed, (D, N), so QK^T is a plain (M, D) @ (D, N) dot.
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if MASK:
+            s = tl.where(_allowed(offs_m, offs_n, seqlen_q, seqlen_k, left, right), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    stride_lb, stride_lh,  # LSE is (B, H, Tq) or, varlen, (H, total_q): the row stride is 1
+    n_heads, group,  # query heads, query heads per kv head
+    seqlen_q, seqlen_k,  # fixed-length sequences only (varlen reads cu_seqlens)
+    rows_q,  # query rows per (sequence, head) in the grid: seqlen_q, or max_seqlen_q (varlen)
+    left, right,  # window bounds, already capped/unbounded by the launcher
+    qk_scale,  # softmax scale * log2(e)
+    IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One flat grid axis (2**31 programs, where axis 1 stops at 65535), query blocks fastest:
+    # programs running together share one head's K/V in L2. Last query blocks first: under a
+    # causal mask they are the longest, and starting them early shortens the tail.
+    n_m = tl.cdiv(rows_q, BLOCK_M)
+    pid_bh = tl.program_id(0) // n_m
+    pid_m = n_m - 1 - tl.program_id(0) % n_m
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(pid_b, CU_SEQLENS_K, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return  # varlen: this sequence is shorter than the longest one
+    kv_h = pid_h // group
+    # 64-bit bases: B * H * T * D can exceed 2**31 elements.
+    q_base = Q + pid_b.to(tl.int64) * stride_qb + pid_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qt
+    k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
+    v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
+    o_base = Out + pid_b.to(tl.int64) * stride_ob + pid_h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_ot
+    lse_base = LSE + pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + q_start.to(tl.int64)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                               lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
+                               True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                               full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                               False, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                               full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                               True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+
+    # A row that saw no key has l = 0: its output is 0 and its logsumexp -inf.
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
+    tl.store(lse_base + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: delta = rowsum(dO * O), then dK/dV per key block and dQ per query block (no atomics)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, DO, DELTA, CU_SEQLENS_Q,
+    stride_ob, stride_oh, stride_ot,
+    stride_dob, stride_doh, stride_dot,
+    stride_lb, stride_lh,
+    n_heads, seqlen_q, rows_q,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    n_m = tl.cdiv(rows_q, BLOCK_M)
+    pid_bh = tl.program_id(0) // n_m
+    pid_m = tl.program_id(0) % n_m
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    o = tl.load(Out + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + rows[:, None] * stride_ot
+                + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + pid_b.to(tl.int64) * stride_dob + pid_h * stride_doh + rows[:, None] * stride_dot
+                 + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + rows, delta,
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+    offs_n, offs_d, m_lo, m_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+    MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [m_lo, m_hi), all transposed:
+    S^T = K Q^T (N, M), so P^T is used as is in dV += P^T dO and dK += dS^T Q."""
+    arange_m = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        offs_m = m0 + arange_m
+        qt_ptrs = q_base + offs_m[None, :] * stride_qt + offs_d[:, None]
+        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASK:
+            row_ok = offs_m < seqlen_q
+            qt = tl.load(qt_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            if HEAD_DIM == BLOCK_D:
+                qt = tl.load(qt_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                qt = tl.load(qt_ptrs, mask=d_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        # lse = -inf marks a row without keys; +inf makes its P exactly 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASK:
+            allowed_t = tl.trans(_allowed(offs_m, offs_n, seqlen_q, seqlen_k, left, right))
+            pt = tl.where(allowed_t, pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    stride_dkb, stride_dkh, stride_dkt,
+    stride_dvb, stride_dvh, stride_dvt,
+    stride_lb, stride_lh,
+    n_kv_heads, group,
+    seqlen_q, seqlen_k, rows_k, left, right,
+    sm_scale, qk_scale,
+    IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Flat grid, key blocks fastest (see the forward). Under a causal mask the first key
+    # blocks are read by the most queries, and they already come first.
+    n_n = tl.cdiv(rows_k, BLOCK_N)
+    pid_bh = tl.program_id(0) // n_n
+    pid_n = tl.program_id(0) % n_n
+    pid_b = pid_bh // n_kv_heads
+    kv_h = pid_bh % n_kv_heads
+    q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(pid_b, CU_SEQLENS_K, seqlen_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    rows_k = (k_start + offs_n).to(tl.int64)
+    k = tl.load(K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + rows_k[:, None] * stride_kt
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + rows_k[:, None] * stride_vt
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _query_ranges(n0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
+    # GQA: the query heads that share this kv head all add into one dK/dV, in registers.
+    for g in range(0, group):
+        h = (kv_h * group + g).to(tl.int64)
+        q_base = Q + pid_b.to(tl.int64) * stride_qb + h * stride_qh + q_start.to(tl.int64) * stride_qt
+        do_base = DO + pid_b.to(tl.int64) * stride_dob + h * stride_doh + q_start.to(tl.int64) * stride_dot
+        lse_base = LSE + pid_b.to(tl.int64) * stride_lb + h * stride_lh + q_start.to(tl.int64)
+        delta_base = DELTA + pid_b.to(tl.int64) * stride_lb + h * stride_lh + q_start.to(tl.int64)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                                 False, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                 offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK + pid_b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh + rows_k[:, None] * stride_dkt
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + pid_b.to(tl.int64) * stride_dvb + kv_h.to(tl.int64) * stride_dvh + rows_k[:, None] * stride_dvt
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+    n_lo, n_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+    MASK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query block over key blocks [n_lo, n_hi): dQ += dS K."""
+    arange_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + arange_n
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        vt_ptrs = v_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            p = tl.where(_allowed(offs_m, offs_n, seqlen_q, seqlen_k, left, right), p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt,
+    stride_lb, stride_lh,
+    n_heads, group,
+    seqlen_q, seqlen_k, rows_q, left, right,
+    sm_scale, qk_scale,
+    IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n_m = tl.cdiv(rows_q, BLOCK_M)
+    pid_bh = tl.program_id(0) // n_m
+    pid_m = n_m - 1 - tl.program_id(0) % n_m  # longest (causal) query blocks first
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _seq_bounds(pid_b, CU_SEQLENS_K, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    kv_h = pid_h // group
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    bh_q = pid_b.to(tl.int64) * stride_qb + pid_h.to(tl.int64) * stride_qh
+    q = tl.load(Q + bh_q + rows[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + pid_b.to(tl.int64) * stride_dob + pid_h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
+                 + offs_d[None, :], mask=io_mask, other=0.0)
+    l_off = pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + rows
+    lse = tl.load(LSE + l_off, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
+    v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                       lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                       full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                       False, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
+                       full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + pid_b.to(tl.int64) * stride_dqb + pid_h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding: one program per (batch, position) rotates every q head and every k head
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_rotate(x_row, out_row, n_heads, stride_h, stride_oh, cos, sin_own, sin_partner, sign,
+                 offs_d, partner, BACKWARD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(x_row + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    # The partner element (x[j + R/2] / x[j ^ 1]) is a second, cached read of the same row.
+    xp = tl.load(x_row + offs_h[:, None] * stride_h + partner[None, :], mask=mask & (offs_d[None, :] < ROTARY_DIM),
+                 other=0.0).to(tl.float32)
+    if BACKWARD:
+        # d/dx of x*cos + sign*x[p]*sin is dy*cos - sign*dy[p]*sin[p] (the rotation is antisymmetric).
+        y = x * cos[None, :] - sign[None, :] * xp * sin_partner[None, :]
+    else:
+        y = x * cos[None, :] + sign[None, :] * xp * sin_own[None, :]
+    y = tl.where(offs_d[None, :] < ROTARY_DIM, y, x)
+    tl.store(out_row + offs_h[:, None] * stride_oh + offs_d[None, :], y.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, QO, KO, COS, SIN, POS,
+    seqlen, n_q_heads, n_k_heads,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_qob, stride_qot, stride_qoh,
+    stride_kob, stride_kot, stride_koh,
+    stride_cb, stride_ct,  # cos/sin: (B or 1, T, R) by position, or the (max_pos, R) table
+    stride_pb, stride_pt,  # position_ids (B, T)
+    HAS_POSITION_IDS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seqlen
+    t = pid % seqlen
+    if HAS_POSITION_IDS:
+        pos = tl.load(POS + b * stride_pb + t * stride_pt).to(tl.int64)
+        cs_off = pos * stride_ct
+    else:
+        cs_off = b * stride_cb + t * stride_ct
+    offs_d = tl.arange(0, BLOCK_D)
+    rot = offs_d < ROTARY_DIM
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        half: tl.constexpr = ROTARY_DIM // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        sign = tl.where(offs_d < half, -1.0, 1.0)
+    partner = tl.where(rot, partner, offs_d)
+    cos = tl.load(COS + cs_off + offs_d, mask=rot, other=1.0).to(tl.float32)
+    sin_own = tl.load(SIN + cs_off + offs_d, mask=rot, other=0.0).to(tl.float32)
+    sin_partner = tl.load(SIN + cs_off + partner, mask=rot, other=0.0).to(tl.float32)
+    _rope_rotate(Q + b * stride_qb + t * stride_qt, QO + b * stride_qob + t * stride_qot, n_q_heads,
+                 stride_qh, stride_qoh, cos, sin_own, sin_partner, sign, offs_d, partner,
+                 BACKWARD, HEAD_DIM, ROTARY_DIM, BLOCK_HQ, BLOCK_D)
+    _rope_rotate(K + b * stride_kb + t * stride_kt, KO + b * stride_kob + t * stride_kot, n_k_heads,
+                 stride_kh, stride_koh, cos, sin_own, sin_partner, sign, offs_d, partner,
+                 BACKWARD, HEAD_DIM, ROTARY_DIM, BLOCK_HK, BLOCK_D)

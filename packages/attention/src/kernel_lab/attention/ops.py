@@ -1,0 +1,755 @@
+"""Attention and RoPE: input checks, launchers, torch.library ops and autograd.
+
+Call path of `flash_attention(q, k, v, ...)`: check the inputs, then
+- in eager mode call the launchers directly (through `_FlashAttnFunction` when a gradient is
+  needed): a custom-op dispatch costs tens of microseconds, as long as a small attention;
+- under torch.compile call `torch.ops.kernel_lab.attention_fwd`, a `triton_op` with its
+  backward registered by `register_autograd`, so the graph has no break.
+Fixed-length and packed (varlen) attention share the kernels: a packed batch is the same
+problem with per-sequence offsets read from cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.library import triton_op, wrap_triton
+
+from kernel_lab.shared import reference, runtime
+
+from ._kernels import (
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_preprocess_kernel,
+    _attn_fwd_kernel,
+    _rope_kernel,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("bhsd", "bshd")
+MAX_HEAD_DIM = 256
+# "Unbounded" window side: larger than any sequence, small enough that i + diag + UNBOUNDED
+# stays inside int32 arithmetic in the kernels.
+UNBOUNDED = 1 << 30
+LOG2E = 1.4426950408889634
+
+
+def _configs(kind: str, head_dim: int) -> list[triton.Config]:
+    """Autotune candidates per kernel, best first (the first is used when autotuning is off).
+    Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at D <= 128; above 128 the
+    tiles shrink so the fp32 accumulator (BLOCK x D) still fits in registers."""
+    big = head_dim > 128
+    if kind == "fwd":
+        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if big else [
+            (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
+    elif kind == "dkdv":  # BLOCK_M: query rows per step, BLOCK_N: key rows held by the program
+        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if big else [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)]
+    else:  # dq: BLOCK_M query rows held, BLOCK_N keys per step
+        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if big else [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# Block sizes under the Triton interpreter: small enough that 80-token test sequences span
+# several query and key blocks (so the masked / unmasked loop split is exercised), large
+# enough to keep the interpreter's per-block overhead bearable. tl.dot needs >= 16.
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+# KERNEL_LAB_ATTENTION_AUTOTUNE=0 skips autotuning and runs each kernel's first config (e.g. the
+# gpu test tier, where dozens of shapes x head dims would otherwise each compile every config).
+AUTOTUNE_ENV = "KERNEL_LAB_ATTENTION_AUTOTUNE"
+_TUNED: dict[tuple[str, bool], object] = {}
+
+
+def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device):
+    """(launchable kernel, fixed meta-parameters): the autotuned kernel on CUDA, fixed small
+    blocks under the interpreter (autotuning there would only multiply the CPU time)."""
+    if device.type != "cuda":
+        bm, bn = INTERPRET_BLOCKS[kind]
+        return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
+    if os.environ.get(AUTOTUNE_ENV, "1") == "0":
+        cfg = _configs(kind, head_dim)[0]
+        return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    key = (kind, head_dim > 128)
+    if key not in _TUNED:
+        # Keyed by the head dim; the tensors' dtypes are part of the key automatically.
+        _TUNED[key] = triton.autotune(configs=_configs(kind, head_dim), key=["HEAD_DIM", "IS_VARLEN"])(kernel)
+    return _TUNED[key], {}
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact fp32 products ("ieee"), not TF32, so float32 means float32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _bht_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, head, token) strides of a (B, H, T, D) / (B, T, H, D) / packed (T, H, D) tensor."""
+    if layout == "varlen":
+        return 0, t.stride(1), t.stride(0)
+    if layout == "bhsd":
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, heads, tokens) of a tensor in `layout` (batch is 1 for packed)."""
+    if layout == "varlen":
+        return 1, t.shape[1], t.shape[0]
+    if layout == "bhsd":
+        return t.shape[0], t.shape[1], t.shape[2]
+    return t.shape[0], t.shape[2], t.shape[1]
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read rows of D contiguous elements; any other stride is free."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """(left, right) for the kernels: negative sides become UNBOUNDED, causal caps right at 0."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return (UNBOUNDED if left < 0 else left), (UNBOUNDED if right < 0 else right)
+
+
+def _ref_window(left: int, right: int) -> tuple[int, int]:
+    return (-1 if left >= UNBOUNDED else left), (-1 if right >= UNBOUNDED else right)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, left: int, right: int, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher of the forward. Assumes checked inputs; layout "bhsd", "bshd" or "varlen".
+
+    Returns (out, lse): out in q's shape and dtype (contiguous in `layout`), lse float32
+    (B, Hq, Tq) or, varlen, (Hq, total_q), natural-log units.
+    """
+    varlen = layout == "varlen"
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    batch, n_heads, seqlen_q = _dims(q, layout)
+    _, n_kv_heads, seqlen_k = _dims(k, layout)
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+    head_dim = q.shape[-1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse_shape = (n_heads, q.shape[0]) if varlen else (batch, n_heads, seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if runtime.backend(q) == "reference":
+        return _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout, out, lse)
+    rows_q = max_seqlen_q if varlen else seqlen_q
+    if out.numel() == 0 or rows_q == 0:
+        return out, lse
+    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device)
+    grid = lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,)
+    wrap_triton(kernel)[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
+        *_bht_strides(out, layout), stride_lb, stride_lh,
+        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale * LOG2E,
+        IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype), **meta,
+    )
+    return out, lse
+
+
+def attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, left: int, right: int, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of the backward: (dq, dk, dv) for the output gradient `do` (and, when the
+    caller used the logsumexp, its gradient `dlse`), from the forward's out and lse."""
+    varlen = layout == "varlen"
+    do, q, k, v = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if runtime.backend(q) == "reference":
+        return _reference_bwd(do, q, k, v, dlse, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout)
+    batch, n_heads, seqlen_q = _dims(q, layout)
+    _, n_kv_heads, seqlen_k = _dims(k, layout)
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+    rows_q = max_seqlen_q if varlen else seqlen_q
+    rows_k = max_seqlen_k if varlen else seqlen_k
+    if dk.numel() > 0 and (dq.numel() == 0 or rows_q == 0):
+        return dq, dk.zero_(), dv.zero_()  # keys no query reads get zero gradient
+    if dq.numel() == 0:
+        return dq, dk, dv
+    head_dim = q.shape[-1]
+    block_d = _block_d(head_dim)
+    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    delta = torch.empty_like(lse)
+    # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
+    pre_block = 64 if q.device.type == "cuda" else 32
+    wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(rows_q, pre_block) * batch * n_heads,)](
+        out, do, delta, cu_seqlens_q, *_bht_strides(out, layout), *_bht_strides(do, layout),
+        stride_lb, stride_lh, n_heads, seqlen_q, rows_q,
+        IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block,
+    )
+    if dlse is not None:
+        # d lse / d s = P, so a logsumexp gradient enters dS = P * (dP - delta) as -dlse.
+        delta = delta - dlse.to(torch.float32)
+    common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
+    strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
+                  *_bht_strides(do, layout))
+    if rows_k > 0 and dk.numel() > 0:
+        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
+        grid = lambda m: (triton.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,)
+        wrap_triton(kernel)[grid](
+            q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
+            *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
+            n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
+            **common, **meta,
+        )
+    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
+    grid = lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,)
+    wrap_triton(kernel)[grid](
+        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
+        *_bht_strides(dq, layout), stride_lb, stride_lh,
+        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
+        **common, **meta,
+    )
+    return dq, dk, dv
+
+
+def _to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def _reference_fwd(q, k, v, cu_q, cu_k, scale, left, right, layout, out, lse):
+    """The CPU fallback: the shared reference in float32, written into `out` / `lse`."""
+    window = _ref_window(left, right)
+    if layout == "varlen":
+        o, l_ = reference.attention_varlen(q, k, v, cu_q, cu_k, scale=scale, window=window, return_lse=True,
+                                           compute_dtype=torch.float32)
+        out.copy_(o)
+    else:
+        o, l_ = reference.attention(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), scale=scale,
+                                    window=window, return_lse=True, compute_dtype=torch.float32)
+        out.copy_(_to_bhsd(o, layout))
+    lse.copy_(l_)
+    return out, lse
+
+
+def _reference_bwd(do, q, k, v, dlse, cu_q, cu_k, scale, left, right, layout):
+    """The CPU fallback's backward: the shared reference's explicit gradient formulas in
+    float32 (no autograd: this also runs inside the registered op, below autograd)."""
+    kw = dict(scale=scale, window=_ref_window(left, right), grad_lse=dlse, compute_dtype=torch.float32)
+    if layout == "varlen":
+        grads = reference.attention_varlen_backward(q, k, v, do, cu_q, cu_k, **kw)
+    else:
+        grads = reference.attention_backward(*(_to_bhsd(t, layout) for t in (q, k, v, do)), **kw)
+        grads = tuple(_to_bhsd(g, layout) for g in grads)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registration: what torch.compile sees
+# ----------------------------------------------------------------------------------------------
+
+
+@triton_op("kernel_lab::attention_fwd", mutates_args=())
+def _attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, left: int, right: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+
+
+@triton_op("kernel_lab::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, scale: float, left: int, right: int, layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, out, lse, dlse, None, None, 0, 0, scale, left, right, layout)
+
+
+@triton_op("kernel_lab::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, left: int, right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+                         "varlen")
+
+
+@triton_op("kernel_lab::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, left: int, right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         scale, left, right, "varlen")
+
+
+def _fixed_setup(ctx, inputs, output):
+    q, k, v, ctx.scale, ctx.left, ctx.right, ctx.layout = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _fixed_backward(ctx, do, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    do = torch.zeros_like(out) if do is None else do
+    dq, dk, dv = torch.ops.kernel_lab.attention_bwd(do, q, k, v, out, lse, dlse, ctx.scale, ctx.left, ctx.right,
+                                                    ctx.layout)
+    return dq, dk, dv, None, None, None, None
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale, ctx.left, ctx.right = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    do = torch.zeros_like(out) if do is None else do
+    dq, dk, dv = torch.ops.kernel_lab.attention_varlen_bwd(do, q, k, v, out, lse, dlse, cu_q, cu_k, ctx.max_q,
+                                                           ctx.max_k, ctx.scale, ctx.left, ctx.right)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention_fwd_op.register_autograd(_fixed_backward, setup_context=_fixed_setup)
+_attention_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """The eager-mode autograd path: the same launchers without custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout):
+        out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
+        # Gradients of unused outputs arrive as None instead of zero tensors (no dlse work).
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (cu_q, cu_k, max_q, max_k, scale, left, right, layout)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        do = torch.zeros_like(out) if do is None else do
+        dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_backend(backend: str | None, x: torch.Tensor, name: str) -> None:
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not runtime.uses_triton(x):
+        raise ValueError(
+            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); q is on {x.device} and would run the PyTorch reference"
+        )
+
+
+def _check_qkv(q, k, v, ndim: int, name: str) -> None:
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {arg}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.ndim != ndim:
+            raise ValueError(f"{name}: {arg} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{name}: q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[-1]}")
+
+
+def _check_heads(n_heads: int, n_kv_heads: int, name: str) -> None:
+    if n_kv_heads == 0 or n_heads % n_kv_heads:
+        raise ValueError(
+            f"{name}: query heads ({n_heads}) must be a multiple of key/value heads ({n_kv_heads}) (MHA/GQA/MQA)"
+        )
+
+
+def _check_scalars(causal, scale, window, name: str) -> float | None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise TypeError(f"{name}: scale must be a finite float or None, got {scale!r}")
+        scale = float(scale)
+    if window is not None and (
+        not isinstance(window, (tuple, list)) or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(f"{name}: window must be None or a (left, right) pair of ints (-1: unbounded), got {window!r}")
+    return scale
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
+    layout: str = "bhsd",
+    backend: str | None = None,
+):
+    """Exact attention softmax(scale * q k^T + mask) v, tiled FlashAttention-2 style.
+
+    q: (B, Hq, Tq, D), k/v: (B, Hkv, Tk, D) with Hq % Hkv == 0 (MHA, GQA, MQA); with
+    `layout="bshd"` the tensors are (B, T, H, D) and are read in place (no transpose copy).
+    Any strides with unit stride along D are read in place. D in [1, 256] (fast at 32..128);
+    float16, bfloat16, float32 (float32 dots in full precision). scale defaults to 1/sqrt(D).
+
+    causal: query i sees key j iff j <= i + Tk - Tq (bottom-right aligned when Tq != Tk, the
+    FlashAttention 2.1+ convention; torch SDPA's is_causal aligns top-left). window=(left,
+    right): keys within `left` before / `right` after the aligned diagonal (-1: unbounded);
+    key blocks outside the window are skipped. A query that sees no key gets output 0 and
+    logsumexp -inf (never NaN).
+
+    Returns out (q's shape and dtype, contiguous) and, with return_lse, lse (B, Hq, Tq) float32,
+    the natural-log logsumexp of each row's scaled scores. Differentiable in q, k, v (and
+    through lse); the (Tq, Tk) score matrix is never materialised.
+
+    backend: None picks by device; "triton" insists on the kernel; "reference" runs the
+    PyTorch reference. Raises TypeError/ValueError naming the bad argument.
+    """
+    name = "flash_attention"
+    _check_qkv(q, k, v, 4, name)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    scale = _check_scalars(causal, scale, window, name)
+    _check_backend(backend, q, name)
+    bq, hq, _ = _dims(q, layout)
+    bk, hkv, _ = _dims(k, layout)
+    if bq != bk:
+        raise ValueError(f"{name}: q and k must have the same batch size, got {bq} and {bk}")
+    _check_heads(hq, hkv, name)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    left, right = _window_bounds(causal, window)
+    if backend == "reference":
+        out, lse = _reference_fwd_autograd(q, k, v, scale, left, right, layout)
+    elif torch.compiler.is_compiling():
+        out, lse = torch.ops.kernel_lab.attention_fwd(q, k, v, scale, left, right, layout)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnFunction.apply(q, k, v, None, None, 0, 0, scale, left, right, layout)
+    else:
+        out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+    return (out, lse) if return_lse else out
+
+
+def _reference_fwd_autograd(q, k, v, scale, left, right, layout):
+    """backend="reference": the float32 reference, differentiable by autograd."""
+    o, lse = reference.attention(*(_to_bhsd(t, layout) for t in (q, k, v)), scale=scale,
+                                 window=_ref_window(left, right), return_lse=True, compute_dtype=torch.float32)
+    return _to_bhsd(o, layout).to(q.dtype), lse
+
+
+def _check_cu_seqlens(cu: torch.Tensor, arg: str, total: int, max_seqlen: int, q: torch.Tensor, name: str):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: {arg} must be int32 (FlashAttention convention), got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name}: {arg} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != q.device:
+        raise ValueError(f"{name}: {arg} must be on q's device {q.device}, got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{name}: max_seqlen for {arg} must be a non-negative int, got {max_seqlen!r}")
+    if torch.compiler.is_compiling():
+        return  # the data checks below read the tensor (a device sync); eager mode only
+    vals = cu.tolist()
+    lengths = [b - a for a, b in itertools.pairwise(vals)]
+    if vals[0] != 0 or vals[-1] != total or min(lengths) < 0:
+        raise ValueError(f"{name}: {arg} must start at 0, be non-decreasing and end at {total}; got {vals}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{name}: max_seqlen {max_seqlen} for {arg} is below the longest sequence {max(lengths)}")
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Attention over packed sequences of different lengths (training with packing, prefill).
+
+    q: (total_q, Hq, D), k/v: (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b] to
+    cu_seqlens_q[b+1] of q against rows cu_seqlens_k[b] to cu_seqlens_k[b+1] of k/v, with the
+    masks of `flash_attention` per sequence (causal bottom-right per sequence). cu_seqlens:
+    int32 (batch + 1,), starting at 0, non-decreasing (empty sequences allowed), ending at the
+    total; max_seqlen_*: the longest sequence (sizes the launch grid).
+    Returns out (total_q, Hq, D) and, with return_lse, lse (Hq, total_q) float32.
+    """
+    name = "flash_attention_varlen"
+    _check_qkv(q, k, v, 3, name)
+    scale = _check_scalars(causal, scale, window, name)
+    _check_backend(backend, q, name)
+    _check_heads(q.shape[1], k.shape[1], name)
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, q, name)
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, q, name)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    left, right = _window_bounds(causal, window)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right)
+    if backend == "reference":
+        out, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale,
+                                              window=_ref_window(left, right), return_lse=True,
+                                              compute_dtype=torch.float32)
+        out = out.to(q.dtype)
+    elif torch.compiler.is_compiling():
+        out, lse = torch.ops.kernel_lab.attention_varlen_fwd(q, k, v, *args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnFunction.apply(q, k, v, *args, "varlen")
+    else:
+        out, lse = attention_fwd(q, k, v, *args, "varlen")
+    return (out, lse) if return_lse else out
+
+
+def attention_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, causal: bool = False) -> str:
+    """Which implementation `attention(q, k, ...)` runs: "triton" (CUDA), "triton-interpret"
+    (CPU with TRITON_INTERPRET=1), "sdpa" (torch SDPA, e.g. on a CPU tensor) or "reference"
+    (the float32 reference: SDPA cannot express bottom-right causal with Tq > Tk)."""
+    be = runtime.backend(q)
+    if be != "reference" and q.dtype in SUPPORTED_DTYPES and q.shape[-1] <= MAX_HEAD_DIM:
+        return be
+    if causal and k is not None and q.shape[-2] > k.shape[-2]:
+        return "reference"
+    return "sdpa"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    """Attention anywhere: q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D), same semantics as
+    `flash_attention` (bottom-right causal, GQA). Runs the Triton kernel where it can (see
+    `attention_backend`), otherwise torch's scaled_dot_product_attention or the reference."""
+    _check_qkv(q, k, v, 4, "attention")
+    _check_heads(q.shape[1], k.shape[1], "attention")
+    scale = _check_scalars(causal, scale, None, "attention")
+    be = attention_backend(q, k, causal=causal)
+    if be in ("triton", "triton-interpret"):
+        return flash_attention(q, k, v, causal=causal, scale=scale)
+    if be == "reference":
+        return flash_attention(q, k, v, causal=causal, scale=scale, backend="reference")
+    tq, tk = q.shape[-2], k.shape[-2]
+    mask = None
+    if causal and tq != tk:
+        mask = reference.attention_mask(tq, tk, causal=True, device=q.device)  # bottom-right, Tq < Tk
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and tq == tk, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, token, head) strides."""
+    if layout == "bhsd":
+        return t.stride(0), t.stride(2), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
+    interleaved: bool, rotary_dim: int, layout: str, backward: bool,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: rotate q and k in one launch (backward=True applies the transposed rotation,
+    i.e. the gradient). Writes into q_out / k_out when given (in place when they are q / k)."""
+    q, k = _unit_last(q), _unit_last(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    if runtime.backend(q) == "reference":
+        fn = reference.rope_backward if backward else reference.rope
+        for x, o in ((q, q_out), (k, k_out)):
+            y = fn(_to_bhsd(x, layout), cos, sin, position_ids=position_ids, interleaved=interleaved,
+                   rotary_dim=rotary_dim, compute_dtype=torch.float32)
+            o.copy_(_to_bhsd(y, layout))
+        return q_out, k_out
+    batch, _, seqlen = _dims(q, layout)
+    if q.numel() == 0 and k.numel() == 0:
+        return q_out, k_out
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if cos.ndim == 3:
+        stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
+        stride_ct = cos.stride(1)
+    else:
+        stride_cb, stride_ct = 0, cos.stride(0)
+    if sin.stride() != cos.stride():
+        sin = sin.contiguous()
+        cos = cos.contiguous()
+        stride_cb = 0 if cos.ndim == 2 or cos.shape[0] == 1 else cos.stride(0)
+        stride_ct = cos.stride(-2)
+    pos_strides = (position_ids.stride(0), position_ids.stride(1)) if position_ids is not None else (0, 0)
+    head_dim = q.shape[-1]
+    wrap_triton(_rope_kernel)[(batch * seqlen,)](
+        q, k, q_out, k_out, cos, sin, position_ids,
+        seqlen, _dims(q, layout)[1], _dims(k, layout)[1],
+        *_rope_strides(q, layout), *_rope_strides(k, layout),
+        *_rope_strides(q_out, layout), *_rope_strides(k_out, layout),
+        stride_cb, stride_ct, *pos_strides,
+        HAS_POSITION_IDS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
+        HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HQ=triton.next_power_of_2(_dims(q, layout)[1]), BLOCK_HK=triton.next_power_of_2(_dims(k, layout)[1]),
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton_op("kernel_lab::rope", mutates_args=())
+def _rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
+    interleaved: bool, rotary_dim: int, layout: str, backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, backward)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, _, cos, sin, position_ids, ctx.interleaved, ctx.rotary_dim, ctx.layout, ctx.backward = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+
+
+def _rope_backward(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = torch.ops.kernel_lab.rope(dq, dk, cos, sin, position_ids, ctx.interleaved, ctx.rotary_dim, ctx.layout,
+                                       not ctx.backward)
+    return dq, dk, None, None, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.args = (interleaved, rotary_dim, layout)
+        return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, position_ids = ctx.saved_tensors
+        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
+        return dq, dk, None, None, None, None, None, None
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+    inplace: bool = False,
+    layout: str = "bhsd",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k in one launch: on the first R = rotary_dim dims,
+    x * cos + rotate(x) * sin (HF `apply_rotary_pos_emb`), dims R..D unchanged.
+
+    q: (B, Hq, T, D), k: (B, Hkv, T, D) (or (B, T, H, D) with layout="bshd"); the head counts
+    may differ (GQA). cos/sin: (T, R) or (B or 1, T, R) per position (what HF's rotary_emb
+    returns), or with position_ids (B, T) a table (max_positions, R) indexed by it.
+    interleaved=False: rotate_half (Llama/NeoX); True: GPT-J pairs (x0, x1) -> (-x1, x0).
+    R defaults to cos.shape[-1] and must be even and <= D. Math in float32.
+
+    inplace=True overwrites q and k (inference; not allowed when they need a gradient).
+    Otherwise returns new tensors; differentiable in q and k (cos/sin are constants).
+    """
+    name = "apply_rope"
+    for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {arg}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} must be on q's device {q.device}, got {t.device}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"{name}: q and k must share one dtype, got {q.dtype} and {k.dtype}")
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"{name}: q and k must have 4 dims, got {tuple(q.shape)} and {tuple(k.shape)}")
+    bq, _, tq = _dims(q, layout)
+    bk, _, tk = _dims(k, layout)
+    if (bq, tq, q.shape[-1]) != (bk, tk, k.shape[-1]):
+        raise ValueError(f"{name}: q and k must agree in batch, tokens and head dim, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)} ({layout})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0 or r % 2 or r > q.shape[-1] or r > cos.shape[-1]:
+        raise ValueError(f"{name}: rotary_dim must be an even int <= head dim ({q.shape[-1]}) and <= cos.shape[-1] "
+                         f"({cos.shape[-1]}), got {r!r}")
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name}: position_ids must be an int32/int64 tensor")
+        if position_ids.shape != (bq, tq) or position_ids.device != q.device:
+            raise ValueError(f"{name}: position_ids must be ({bq}, {tq}) on {q.device}, got "
+                             f"{tuple(position_ids.shape)} on {position_ids.device}")
+        if cos.ndim != 2:
+            raise ValueError(f"{name}: with position_ids, cos/sin must be a (max_positions, R) table, got "
+                             f"{tuple(cos.shape)}")
+    elif not ((cos.ndim == 2 and cos.shape[0] == tq) or (cos.ndim == 3 and cos.shape[1] == tq
+                                                          and cos.shape[0] in (1, bq))):
+        raise ValueError(f"{name}: cos/sin must be (T, R) or (B or 1, T, R) with T={tq}, B={bq}; got "
+                         f"{tuple(cos.shape)}")
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise ValueError(f"{name}: inplace=True cannot be used on tensors that require grad")
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            raise ValueError(f"{name}: inplace=True needs unit stride along the head dim")
+        if torch.compiler.is_compiling():
+            qo, ko = torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
+            q.copy_(qo)
+            k.copy_(ko)
+            return q, k
+        return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
+    if torch.compiler.is_compiling():
+        return torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFunction.apply(q, k, cos, sin, position_ids, interleaved, r, layout)
+    return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False)

@@ -1,0 +1,423 @@
+"""flash_attention / flash_attention_varlen / attention against the float64 reference.
+
+Tolerance (the FlashAttention rule, docs/correctness.md): the output error vs the float64
+reference is at most 2x the error of the same computation done naively in the input dtype
+(`reference.attention(..., compute_dtype=dtype)`), gradients at most 3x.
+
+Tiers: unmarked tests check validation, the reference backend and registration; `interpret`
+tests run the real kernels on small shapes (CPU under TRITON_INTERPRET=1, or CUDA); `gpu`
+tests run long sequences, bf16, torch.compile (inductor) and the memory check.
+"""
+
+import pytest
+import torch
+
+from kernel_lab.attention import attention, attention_backend, flash_attention, flash_attention_varlen
+from kernel_lab.shared import reference, testing
+
+FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
+
+
+def _to(t, layout):
+    """(B, H, T, D) -> the layout's logical shape (a view for bshd)."""
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def _make(shape_q, shape_kv, dtype, device, seed, layout="bhsd", contiguous=True):
+    """q, k, v, do drawn in (B, H, T, D), then laid out as `layout` (bshd: a real (B, T, H, D)
+    tensor when contiguous, else a transposed view)."""
+    q = testing.randn(*shape_q, dtype=dtype, device=device, seed=seed)
+    k = testing.randn(*shape_kv, dtype=dtype, device=device, seed=seed + 1)
+    v = testing.randn(*shape_kv, dtype=dtype, device=device, seed=seed + 2)
+    do = testing.randn(*shape_q, dtype=dtype, device=device, seed=seed + 3)
+    if layout == "bshd":
+        q, k, v, do = (t.transpose(1, 2).contiguous() if contiguous else t.transpose(1, 2) for t in (q, k, v, do))
+    return q, k, v, do
+
+
+def _baseline(q, k, v, do, *, causal, window, scale=None):
+    """The same-precision naive computation (its error sets the budget) and its gradients."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, lse = reference.attention(*leaves, causal=causal, window=window, scale=scale, return_lse=True,
+                                       compute_dtype=q.dtype)
+        grads = torch.autograd.grad(out, leaves, do)
+    return out.detach(), lse.detach(), grads
+
+
+def check_attention(q, k, v, do, *, causal=False, window=None, layout="bhsd", scale=None, grad=True,
+                    backend="triton"):
+    """Run flash_attention (forward, lse and backward) and assert the rule for every output."""
+    qb, kb, vb, dob = (_to(t, layout) for t in (q, k, v, do))  # (B, H, T, D) views for the references
+    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal=causal, window=window, scale=scale, return_lse=True,
+                               layout=layout, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (qb.shape[0], qb.shape[1], qb.shape[2]) and lse.dtype == torch.float32
+    ref, ref_lse = reference.attention(qb, kb, vb, causal=causal, window=window, scale=scale, return_lse=True)
+    base, base_lse, base_grads = _baseline(qb, kb, vb, dob, causal=causal, window=window, scale=scale)
+    testing.assert_close_to_reference(_to(out, layout), ref, base, factor=FWD_FACTOR, name="out")
+    testing.assert_close_to_reference(lse, ref_lse, base_lse, factor=FWD_FACTOR, name="lse")
+    if not grad:
+        return
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = reference.attention_backward(qb, kb, vb, dob, causal=causal, window=window, scale=scale)
+    for name, g, leaf, r, b in zip(("dq", "dk", "dv"), grads, leaves, ref_grads, base_grads, strict=True):
+        assert g.shape == leaf.shape
+        testing.assert_close_to_reference(_to(g, layout), r, b, factor=BWD_FACTOR, name=name)
+
+
+# --- reference tier: validation, the reference backend, registration ----------------------------
+
+
+def _qkv(*shape_q, hkv=None, tk=None, dtype=torch.float16):
+    b, h, t, d = shape_q
+    q = torch.zeros(b, h, t, d, dtype=dtype)
+    kv = torch.zeros(b, hkv or h, tk or t, d, dtype=dtype)
+    return q, kv, kv.clone()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(dtype=torch.int32), TypeError, "q.dtype must be float16, bfloat16 or float32"),
+        (dict(dtype=torch.float64), TypeError, "q.dtype must be"),
+        (dict(hkv=3), ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)"),
+    ],
+)
+def test_bad_dtype_and_heads_raise(kwargs, error, match):
+    q, k, v = _qkv(1, 4, 8, 16, **kwargs)
+    with pytest.raises(error, match=match):
+        flash_attention(q, k, v)
+
+
+def test_mismatched_arguments_raise_naming_them():
+    q, k, v = _qkv(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="same head dim"):
+        flash_attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attention(q, k, v[:, :, :4])
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attention(q, k.float(), v)
+    with pytest.raises(ValueError, match="q must have 4 dims"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="same batch size"):
+        flash_attention(q, torch.cat([k, k]), torch.cat([v, v]))
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        flash_attention(q, k, v, layout="sbhd")
+    with pytest.raises(TypeError, match="window must be None or a"):
+        flash_attention(q, k, v, window=4)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="scale must be a finite float"):
+        flash_attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="head dim must be in"):
+        flash_attention(*(torch.zeros(1, 1, 4, 512, dtype=torch.float16) for _ in range(3)))
+    with pytest.raises(TypeError, match=r"k must be a torch\.Tensor"):
+        flash_attention(q, None, v)
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="backend='triton' needs a CUDA tensor"):
+        flash_attention(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match="backend must be None"):
+        flash_attention(q, k, v, backend="cuda")
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def test_varlen_bad_cu_seqlens_raise():
+    q = torch.zeros(10, 2, 16, dtype=torch.float16)
+    good = _cu([4, 6])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        flash_attention_varlen(q, q, q, good.long(), good, 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0, be non-decreasing"):
+        flash_attention_varlen(q, q, q, good, torch.tensor([0, 11, 10], dtype=torch.int32), 6, 11)
+    with pytest.raises(ValueError, match="must start at 0, be non-decreasing and end at 10"):
+        flash_attention_varlen(q, q, q, torch.tensor([0, 4, 9], dtype=torch.int32), good, 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen 5 for cu_seqlens_q is below the longest sequence 6"):
+        flash_attention_varlen(q, q, q, good, good, 5, 6)
+    with pytest.raises(ValueError, match="same length"):
+        flash_attention_varlen(q, q, q, good, _cu([4, 6, 0]), 6, 6)
+    with pytest.raises(ValueError, match="1-D with batch"):
+        flash_attention_varlen(q, q, q, good[:1], good, 6, 6)
+    with pytest.raises(ValueError, match="q must have 3 dims"):
+        flash_attention_varlen(q[None], q, q, good, good, 6, 6)
+
+
+@pytest.mark.parametrize(("causal", "window", "layout"), [(True, None, "bhsd"), (False, (3, 2), "bshd")])
+def test_reference_backend_matches_reference_with_gradients(monkeypatch, seed, causal, window, layout):
+    """Without CUDA and without the interpreter the op runs the float32 reference (and its
+    autograd): the CPU fallback of DESIGN.md."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do = _make((2, 4, 9, 16), (2, 2, 13, 16), torch.float32, "cpu", seed, layout)
+    check_attention(q, k, v, do, causal=causal, window=window, layout=layout, backend=None)
+
+
+def test_attention_entry_point_without_triton_uses_sdpa_or_reference(monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _ = _make((1, 4, 6, 16), (1, 2, 11, 16), torch.float32, "cpu", seed)
+    assert attention_backend(q, k, causal=True) == "sdpa"
+    ref = reference.attention(q, k, v, causal=True)
+    testing.assert_close_to_reference(attention(q, k, v, causal=True), ref, atol=1e-5)  # bottom-right causal
+    q2 = testing.randn(1, 4, 15, 16, seed=seed + 7)
+    assert attention_backend(q2, k, causal=True) == "reference"  # Tq > Tk: SDPA cannot express it
+    out = attention(q2, k, v, causal=True)
+    testing.assert_close_to_reference(out, reference.attention(q2, k, v, causal=True), atol=1e-5)
+    assert torch.equal(out[:, :, :4], torch.zeros_like(out[:, :, :4]))
+
+
+def test_varlen_reference_backend_matches_reference(monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lens = [3, 0, 5]
+    q = testing.randn(8, 2, 16, seed=seed)
+    out = flash_attention_varlen(q, q, q, _cu(lens), _cu(lens), 5, 5, causal=True)
+    testing.assert_close_to_reference(out, reference.attention_varlen(q, q, q, _cu(lens), _cu(lens), causal=True),
+                                      atol=1e-5)
+
+
+def test_registered_ops_pass_opcheck(seed, monkeypatch, kernel_device):
+    # Fake-tensor tracing cannot run the interpreter (it reads real data): on the CPU this checks
+    # the registration around the reference backend; on CUDA, around the Triton kernel.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do = _make((1, 2, 9, 16), (1, 1, 12, 16), torch.float32, kernel_device, seed)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    args = (q, k, v, 0.25, 1 << 30, 0, "bhsd")
+    torch.library.opcheck(torch.ops.kernel_lab.attention_fwd.default, args)
+    out, lse = torch.ops.kernel_lab.attention_fwd(*args)
+    bwd_args = (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, 0.25, 1 << 30, 0, "bhsd")
+    torch.library.opcheck(torch.ops.kernel_lab.attention_bwd.default, bwd_args)
+
+
+# --- interpret tier: the real kernels on small shapes ---------------------------------------------
+
+# (B, Hq, Hkv, Tq, Tk, D, causal, window, layout, dtype): odd lengths (masked tails), decode
+# (Tq = 1), causal with Tq < Tk and Tq > Tk (fully masked rows), GQA and MQA, every head dim,
+# both layouts, sliding windows, float16 and float32 (bf16 tl.dot is wrong in the interpreter:
+# bf16 runs in the gpu tier).
+CASES = [
+    (1, 2, 2, 1, 67, 64, False, None, "bhsd", torch.float16),
+    (2, 4, 2, 37, 80, 32, True, None, "bhsd", torch.float16),
+    (1, 3, 1, 80, 29, 32, True, None, "bshd", torch.float16),
+    (1, 2, 2, 45, 45, 96, True, None, "bshd", torch.float16),
+    (1, 2, 1, 33, 47, 128, False, None, "bhsd", torch.float16),
+    (1, 4, 2, 64, 64, 64, True, None, "bhsd", torch.float32),
+    (1, 2, 2, 50, 70, 32, False, (7, 3), "bhsd", torch.float16),
+    (1, 2, 1, 61, 61, 64, True, (16, -1), "bshd", torch.float16),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(("b", "hq", "hkv", "tq", "tk", "d", "causal", "window", "layout", "dtype"), CASES)
+def test_flash_attention_forward_backward_match_reference(b, hq, hkv, tq, tk, d, causal, window, layout, dtype,
+                                                          kernel_device, seed):
+    q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, kernel_device, seed, layout)
+    check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
+
+
+@pytest.mark.interpret
+def test_odd_lengths_113_by_203_causal(kernel_device, seed):
+    q, k, v, do = _make((1, 1, 113, 32), (1, 1, 203, 32), torch.float16, kernel_device, seed)
+    check_attention(q, k, v, do, causal=True)
+
+
+@pytest.mark.interpret
+def test_single_query_against_257_keys_forward(kernel_device, seed):
+    q, k, v, do = _make((1, 2, 1, 64), (1, 2, 257, 64), torch.float16, kernel_device, seed)
+    check_attention(q, k, v, do, causal=True, grad=False)
+
+
+@pytest.mark.interpret
+def test_custom_scale_and_large_logits(kernel_device, seed):
+    """Scores of +-40: exp overflows without the running max; scale != 1/sqrt(D)."""
+    q, k, v, do = _make((1, 2, 40, 32), (1, 2, 40, 32), torch.float16, kernel_device, seed)
+    check_attention(q * 4, k * 4, v, do, scale=0.45, causal=False)
+
+
+@pytest.mark.interpret
+def test_strided_views_are_read_in_place(kernel_device, seed):
+    """q/k/v as slices of one packed (B, T, 3, H, D) projection, the rest NaN: a kernel that
+    ignores the strides reads NaN and fails."""
+    b, t, h, d = 1, 30, 2, 32
+    packed = torch.full((b, t, 3, h, d + 8), float("nan"), dtype=torch.float16, device=kernel_device)
+    for i in range(3):
+        packed[:, :, i, :, :d] = testing.randn(b, t, h, d, dtype=torch.float16, device=kernel_device, seed=seed + i)
+    q, k, v = (packed[:, :, i, :, :d] for i in range(3))  # bshd views, unit stride along D only
+    do = testing.randn(b, t, h, d, dtype=torch.float16, device=kernel_device, seed=seed + 5)
+    check_attention(q, k, v, do, causal=True, layout="bshd")
+
+
+@pytest.mark.interpret
+def test_zero_size_inputs(kernel_device):
+    f16 = dict(dtype=torch.float16, device=kernel_device)
+    # No keys: every row sees nothing, output 0 and lse -inf; no query: empty output.
+    q = torch.randn(1, 2, 5, 32, **f16, requires_grad=True)
+    kv = torch.zeros(1, 2, 0, 32, **f16, requires_grad=True)
+    out, lse = flash_attention(q, kv, kv, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert torch.equal(dq, torch.zeros_like(dq))
+    empty = flash_attention(torch.zeros(1, 2, 0, 32, **f16), q.detach(), q.detach())
+    assert empty.shape == (1, 2, 0, 32)
+    assert flash_attention(*(torch.zeros(0, 2, 4, 32, **f16) for _ in range(3))).shape == (0, 2, 4, 32)
+
+
+@pytest.mark.interpret
+def test_lse_gradient_flows(kernel_device, seed):
+    """A loss on the logsumexp (as in ring attention / cross-chunk merging) gets its gradient."""
+    q, k, v, _ = _make((1, 2, 20, 32), (1, 1, 27, 32), torch.float32, kernel_device, seed)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal=True, return_lse=True, backend="triton")
+    grads = torch.autograd.grad((out.sum() + lse.sum()), leaves)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ro, rl = reference.attention(*ref_leaves, causal=True, return_lse=True)
+    ref_grads = torch.autograd.grad(ro.sum() + rl.sum(), ref_leaves)
+    for g, r in zip(grads, ref_grads, strict=True):
+        testing.assert_close_to_reference(g, r, atol=2e-5)
+
+
+@pytest.mark.interpret
+def test_varlen_matches_reference_with_empty_and_single_token_sequences(kernel_device, seed):
+    lens_q, lens_k = [3, 0, 1, 40, 17], [5, 0, 1, 33, 17]
+    cu_q, cu_k = _cu(lens_q).to(kernel_device), _cu(lens_k).to(kernel_device)
+    q = testing.randn(sum(lens_q), 4, 32, dtype=torch.float16, device=kernel_device, seed=seed)
+    k = testing.randn(sum(lens_k), 2, 32, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    v = testing.randn(sum(lens_k), 2, 32, dtype=torch.float16, device=kernel_device, seed=seed + 2)
+    do = testing.randn(sum(lens_q), 4, 32, dtype=torch.float16, device=kernel_device, seed=seed + 3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = flash_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True,
+                                      backend="triton")
+    assert lse.shape == (4, sum(lens_q))
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    base_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    base, base_lse = reference.attention_varlen(*base_leaves, cu_q, cu_k, causal=True, return_lse=True,
+                                                compute_dtype=torch.float16)
+    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR, name="out")
+    testing.assert_close_to_reference(lse, ref_lse, base_lse, factor=FWD_FACTOR, name="lse")
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(reference.attention_varlen(*ref_leaves, cu_q, cu_k, causal=True), ref_leaves,
+                                    do.double())
+    base_grads = torch.autograd.grad(base, base_leaves, do)
+    for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+        testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)
+
+
+@pytest.mark.interpret
+def test_varlen_window_forward_matches_reference(kernel_device, seed):
+    lens = [30, 1, 45]
+    cu = _cu(lens).to(kernel_device)
+    q, k, v = (testing.randn(sum(lens), 2, 64, dtype=torch.float16, device=kernel_device, seed=seed + i)
+               for i in range(3))
+    out = flash_attention_varlen(q, k, v, cu, cu, 45, 45, window=(6, 2), backend="triton")
+    ref = reference.attention_varlen(q, k, v, cu, cu, window=(6, 2))
+    base = reference.attention_varlen(q, k, v, cu, cu, window=(6, 2), compute_dtype=torch.float16)
+    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR)
+
+
+def _check_compiled_matches_eager(device, seed, compile_backend):
+    q, k, v, do = _make((1, 2, 24, 32), (1, 1, 24, 32), torch.float16, device, seed)
+    fn = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), fullgraph=True, backend=compile_backend)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, do)
+    eager_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    eager = flash_attention(*eager_leaves, causal=True)
+    eager_grads = torch.autograd.grad(eager, eager_leaves, do)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_compile_fullgraph_reference_backend_has_no_graph_break(monkeypatch, seed):
+    """The registration under torch.compile(fullgraph=True) on the CPU: fake-tensor tracing
+    cannot run the interpreter, so this goes through the reference backend (aot_eager)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    _check_compiled_matches_eager("cpu", seed, "aot_eager")
+
+
+# --- gpu tier: long sequences, bf16, compile, memory --------------------------------------------
+
+GPU_CASES = [
+    (2, 16, 4, 1023, 1024, 128, True, None, "bhsd", torch.bfloat16),
+    (2, 8, 8, 1024, 1023, 64, False, None, "bshd", torch.float16),
+    (1, 8, 2, 2048, 2048, 128, True, (256, -1), "bshd", torch.bfloat16),
+    (1, 4, 4, 1, 4097, 128, True, None, "bhsd", torch.bfloat16),
+    (1, 4, 1, 777, 1500, 96, True, None, "bhsd", torch.bfloat16),
+    (1, 4, 4, 513, 513, 32, False, None, "bhsd", torch.float16),
+    (1, 4, 2, 300, 301, 256, True, None, "bhsd", torch.bfloat16),
+    (1, 4, 4, 256, 256, 64, True, None, "bhsd", torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "hq", "hkv", "tq", "tk", "d", "causal", "window", "layout", "dtype"), GPU_CASES)
+def test_gpu_large_shapes_match_reference(b, hq, hkv, tq, tk, d, causal, window, layout, dtype, seed):
+    q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, "cuda", seed, layout)
+    check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_inductor_matches_eager(seed):
+    torch._dynamo.reset()
+    _check_compiled_matches_eager("cuda", seed, "inductor")
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_large_matches_reference(seed):
+    lens = [1, 0, 700, 1500, 33]
+    cu = _cu(lens).cuda()
+    q = testing.randn(sum(lens), 8, 128, dtype=torch.bfloat16, device="cuda", seed=seed)
+    k = testing.randn(sum(lens), 2, 128, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    v = testing.randn(sum(lens), 2, 128, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    do = testing.randn(sum(lens), 8, 128, dtype=torch.bfloat16, device="cuda", seed=seed + 3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True)
+    grads = torch.autograd.grad(out, leaves, do)
+    base_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    base = reference.attention_varlen(*base_leaves, cu, cu, causal=True, compute_dtype=torch.bfloat16)
+    base_grads = torch.autograd.grad(base, base_leaves, do)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference.attention_varlen(*ref_leaves, cu, cu, causal=True)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+    testing.assert_close_to_reference(out, ref.detach(), base.detach(), factor=FWD_FACTOR)
+    for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+        testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_grows_linearly_in_t():
+    """No (T, T) buffer: doubling T (forward + backward) at most doubles the peak memory above
+    the inputs (a materialised score matrix would quadruple it)."""
+
+    def peak(t):
+        q, k, v, do = _make((1, 8, t, 64), (1, 8, t, 64), torch.bfloat16, "cuda", 0)
+        leaves = [x.requires_grad_(True) for x in (q, k, v)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = flash_attention(*leaves, causal=True)
+        torch.autograd.grad(out, leaves, do)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    p1, p2 = peak(4096), peak(8192)
+    assert p2 <= 2.2 * p1, f"peak extra memory {p1} B at T=4096, {p2} B at T=8192: not linear"
+
+
+@pytest.mark.gpu
+def test_gpu_64bit_offsets_past_2_pow_31_elements():
+    """B*H*T*D > 2**31: batch offsets must be computed in 64 bits (the last batch is checked)."""
+    b, t, d = (1 << 31) // (256 * 128) + 1, 256, 128
+    q = torch.randn(b, 1, t, d, dtype=torch.bfloat16, device="cuda")
+    out = flash_attention(q, q, q, causal=True)
+    last = q[-1:].float()
+    ref = reference.attention(last, last, last, causal=True, compute_dtype=torch.float32)
+    base = reference.attention(q[-1:], q[-1:], q[-1:], causal=True, compute_dtype=torch.bfloat16)
+    testing.assert_close_to_reference(out[-1:], ref, base, factor=FWD_FACTOR)

@@ -1,0 +1,68 @@
+"""The Hugging Face integration: attn_implementation="kernel_lab" and the RoPE patch on a tiny
+random Llama, against the same model with transformers' eager attention. Skipped (with the
+reason) when transformers is not installed."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernel_lab.attention import flash_attention, modules, patch_hf, register_hf
+from kernel_lab.shared import testing
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(HAS_TRANSFORMERS, reason="transformers is installed")
+def test_register_hf_without_transformers_raises_clear_import_error():
+    with pytest.raises(ImportError, match="need the `transformers` package"):
+        register_hf()
+    with pytest.raises(ImportError, match="need the `transformers` package"):
+        patch_hf(torch.nn.Linear(2, 2))
+
+
+def _tiny_llama(device, attn_implementation):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+    model.config._attn_implementation = attn_implementation
+    return model
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_hf_llama_with_kernel_lab_attention_and_rope_matches_eager(kernel_device, seed, monkeypatch):
+    register_hf()
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("causal"))
+        return flash_attention(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "flash_attention", counting)
+    ids = torch.randint(0, 97, (2, 21), generator=testing.make_generator(seed)).to(kernel_device)
+    eager = _tiny_llama(kernel_device, "eager")
+    ours = _tiny_llama(kernel_device, "kernel_lab")
+    with torch.no_grad():
+        expected = eager(ids).logits
+        got = ours(ids).logits
+        assert calls == [True, True], "the kernel did not run in both layers"
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        # The RoPE patch on top (module-wide; restored below so other tests see stock HF).
+        module = __import__(type(ours.model.layers[0].self_attn).__module__, fromlist=["x"])
+        original = module.apply_rotary_pos_emb
+        try:
+            patch_hf(ours)
+            assert module.apply_rotary_pos_emb is not original
+            torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        finally:
+            module.apply_rotary_pos_emb = original
+        # A padded batch takes the explicit-mask path and still matches eager attention.
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        torch.testing.assert_close(ours(ids, attention_mask=mask).logits[1],
+                                   eager(ids, attention_mask=mask).logits[1], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,150 @@
+"""apply_rope against the float64 reference (forward and backward), plus validation."""
+
+import pytest
+import torch
+
+from kernel_lab.attention import apply_rope
+from kernel_lab.shared import reference, testing
+
+FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
+
+
+def _tables(b, t, r, *, interleaved, device, per_batch=True, seed=0):
+    """HF-style cos/sin (B, T, R) from real angles (positions shuffled per batch)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    pos = torch.stack([torch.randperm(4 * t, generator=testing.make_generator(seed + i))[:t] for i in range(b)])
+    theta = pos[..., None].double() * inv_freq
+    ang = theta.repeat_interleave(2, -1) if interleaved else torch.cat((theta, theta), -1)
+    if not per_batch:
+        ang = ang[:1]
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def _baseline(x, cos, sin, dy, **kw):
+    """The HF formula in x's dtype (what torch eager computes) and its gradient."""
+    xb = x.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        y = reference.rope(xb, cos.to(x.dtype), sin.to(x.dtype), compute_dtype=x.dtype, **kw)
+        (dx,) = torch.autograd.grad(y, xb, dy)
+    return y.detach(), dx
+
+
+def check_rope(q, k, cos, sin, *, layout="bhsd", grad=True, seed=0, **kw):
+    to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
+    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k)]
+    qo, ko = apply_rope(*leaves, cos, sin, layout=layout, **kw)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == q.dtype
+    dys = [testing.randn(*t.shape, dtype=t.dtype, device=t.device, seed=seed + i) for i, t in enumerate((q, k))]
+    if grad:
+        grads = torch.autograd.grad((qo, ko), leaves, dys)
+    for i, (x, out) in enumerate(((q, qo), (k, ko))):
+        ref = reference.rope(to(x), cos, sin, **kw)
+        base, base_dx = _baseline(to(x), cos, sin, to(dys[i]), **kw)
+        testing.assert_close_to_reference(to(out), ref, base, factor=FWD_FACTOR, name="rope")
+        if grad:
+            ref_dx = reference.rope_backward(to(dys[i]), cos, sin, **kw)
+            testing.assert_close_to_reference(to(grads[i]), ref_dx, base_dx, factor=BWD_FACTOR, name="rope grad")
+
+
+# --- reference tier --------------------------------------------------------------------------
+
+
+def test_rope_validation_names_the_argument():
+    q, k = torch.zeros(1, 4, 6, 16), torch.zeros(1, 2, 6, 16)
+    cos = sin = torch.zeros(6, 16)
+    with pytest.raises(TypeError, match=r"q\.dtype must be"):
+        apply_rope(q.long(), k, cos, sin)
+    with pytest.raises(ValueError, match="agree in batch, tokens and head dim"):
+        apply_rope(q, k[:, :, :5], cos, sin)
+    with pytest.raises(ValueError, match="rotary_dim must be an even int"):
+        apply_rope(q, k, cos, sin, rotary_dim=7)
+    with pytest.raises(ValueError, match=r"cos/sin must be \(T, R\)"):
+        apply_rope(q, k, cos[:5], sin[:5])
+    with pytest.raises(ValueError, match="position_ids must be"):
+        apply_rope(q, k, cos, sin, position_ids=torch.zeros(2, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match="inplace=True cannot be used"):
+        apply_rope(q.requires_grad_(True), k, cos, sin, inplace=True)
+    with pytest.raises(ValueError, match="layout must be"):
+        apply_rope(q, k, cos, sin, layout="hsd")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_reference_backend(monkeypatch, seed, interleaved):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = _tables(2, 5, 8, interleaved=interleaved, device="cpu", seed=seed)
+    q = testing.randn(2, 4, 5, 16, seed=seed)
+    k = testing.randn(2, 2, 5, 16, seed=seed + 1)
+    check_rope(q, k, cos, sin, interleaved=interleaved, seed=seed)
+
+
+# --- interpret tier ---------------------------------------------------------------------------
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    ("interleaved", "layout", "rotary_dim", "dtype", "per_batch"),
+    [(False, "bhsd", None, torch.float16, True), (True, "bshd", None, torch.float32, False),
+     (False, "bshd", 16, torch.float16, True), (True, "bhsd", 24, torch.float16, True)],
+)
+def test_rope_matches_reference(interleaved, layout, rotary_dim, dtype, per_batch, kernel_device, seed):
+    b, t, d = 2, 9, 48  # head dim 48: a masked tail in the 64-wide block
+    r = rotary_dim or d
+    cos, sin = _tables(b, t, r, interleaved=interleaved, device=kernel_device, per_batch=per_batch, seed=seed)
+    q = testing.randn(b, 6, t, d, dtype=dtype, device=kernel_device, seed=seed)
+    k = testing.randn(b, 2, t, d, dtype=dtype, device=kernel_device, seed=seed + 1)
+    if layout == "bshd":
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    check_rope(q, k, cos, sin, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, seed=seed)
+
+
+@pytest.mark.interpret
+def test_rope_position_ids_table_and_strided_views(kernel_device, seed):
+    b, t, d, h = 2, 7, 32, 4
+    table_cos, table_sin = _tables(1, 50, d, interleaved=False, device=kernel_device, seed=seed)
+    table_cos, table_sin = table_cos[0], table_sin[0]  # (50, D) table
+    pos = torch.randint(0, 50, (b, t), generator=testing.make_generator(seed)).to(kernel_device)
+    # q and k as bhsd views of one (B, T, 2H, D) projection: non-contiguous heads and tokens.
+    qk = testing.randn(b, t, 2 * h, d, dtype=torch.float16, device=kernel_device, seed=seed)
+    q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
+    check_rope(q, k, table_cos, table_sin, position_ids=pos, seed=seed)
+
+
+@pytest.mark.interpret
+def test_rope_inplace_overwrites_inputs(kernel_device, seed):
+    cos, sin = _tables(1, 6, 32, interleaved=False, device=kernel_device, seed=seed)
+    q = testing.randn(1, 4, 6, 32, dtype=torch.float16, device=kernel_device, seed=seed)
+    k = testing.randn(1, 1, 6, 32, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    expected = apply_rope(q, k, cos, sin)
+    qo, ko = apply_rope(q, k, cos, sin, inplace=True)
+    assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr()
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+
+
+# --- gpu tier ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rope_llama_shape(dtype, seed):
+    b, t, d = 2, 2048, 128
+    cos, sin = _tables(b, t, d, interleaved=False, device="cuda", seed=seed)
+    q = testing.randn(b, 32, t, d, dtype=dtype, device="cuda", seed=seed)
+    k = testing.randn(b, 8, t, d, dtype=dtype, device="cuda", seed=seed + 1)
+    check_rope(q, k, cos.to(dtype), sin.to(dtype), seed=seed)
+
+
+@pytest.mark.gpu
+def test_gpu_rope_compile_fullgraph(seed):
+    torch._dynamo.reset()
+    cos, sin = _tables(1, 64, 64, interleaved=False, device="cuda", seed=seed)
+    q = testing.randn(1, 8, 64, 64, dtype=torch.bfloat16, device="cuda", seed=seed, requires_grad=True)
+    k = testing.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda", seed=seed + 1, requires_grad=True)
+    fn = torch.compile(lambda q, k: apply_rope(q, k, cos, sin), fullgraph=True)
+    qo, ko = fn(q, k)
+    eq, ek = apply_rope(q, k, cos, sin)
+    torch.testing.assert_close(qo, eq, rtol=0, atol=0)
+    torch.testing.assert_close(ko, ek, rtol=0, atol=0)
+    g = torch.autograd.grad((qo.float().sum() + ko.float().sum()), (q, k))
+    ge = torch.autograd.grad((eq.float().sum() + ek.float().sum()), (q, k))
+    for a, b in zip(g, ge, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
