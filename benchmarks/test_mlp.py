@@ -56,9 +56,10 @@ def _eager(op: str):
 
 @functools.cache
 def _compiled(op: str):
-    # one compiled function per op, shared by all shapes: dynamo recompiles per new shape as a
-    # user's program would
-    return torch.compile(_eager(op))
+    # one compiled function per op, shared by all shapes; dynamic=True compiles it once for all
+    # of them (a pointwise kernel gains nothing from static sizes: Triton still specializes on
+    # the alignment of sizes and strides at launch) and keeps the run's compile time bounded
+    return torch.compile(_eager(op), dynamic=True)
 
 
 def _impl_fn(op: str, impl: str):
