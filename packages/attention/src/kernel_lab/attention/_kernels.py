@@ -113,7 +113,9 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Lengths and window bounds are not specialised on divisibility by 16 (they do not align any
+# address): a new sequence length must not trigger a recompile.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_q", "left", "right"])
 def _attn_fwd_kernel(
     Q, K, V, Out, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
@@ -186,7 +188,7 @@ def _attn_fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "rows_q"])
 def _attn_bwd_preprocess_kernel(
     Out, DO, DELTA, CU_SEQLENS_Q,
     stride_ob, stride_oh, stride_ot,
@@ -261,7 +263,7 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_k", "left", "right"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
@@ -358,7 +360,7 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_q", "left", "right"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
@@ -441,7 +443,7 @@ def _rope_rotate(x_row, out_row, n_heads, stride_h, stride_oh, cos, sin_own, sin
     tl.store(out_row + offs_h[:, None] * stride_oh + offs_d[None, :], y.to(out_row.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen"])
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, POS,
     seqlen, n_q_heads, n_k_heads,
