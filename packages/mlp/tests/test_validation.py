@@ -106,7 +106,8 @@ def test_reference_backend_matches_reference_and_is_differentiable(seed, dtype):
 # reads real data pointers, so the CPU tier cannot trace a triton_op (the softmax package does
 # the same).
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["swiglu", "geglu", "silu_and_mul", "gelu_and_mul", "bias_gelu"])
+# one op per registered triton_op (geglu shares swiglu's, silu_and_mul gelu_and_mul's)
+@pytest.mark.parametrize("op", ["swiglu", "gelu_and_mul", "bias_gelu"])
 def test_ops_under_torch_compile_fullgraph_match_eager(seed, op):
     torch._dynamo.reset()
     kernel_device, shape = "cuda", (300, 4098)
