@@ -44,6 +44,16 @@ def _impl(name: str):
     return lambda x: softmax_mod.softmax(x, -1)
 
 
+def _first_call(impl: str, fn, x: torch.Tensor) -> torch.Tensor:
+    """Call fn(x) once; a peer that refuses the shape is skipped with its own message."""
+    try:
+        return fn(x)
+    except RuntimeError as e:
+        if impl == "liger":
+            pytest.skip(f"liger-kernel refuses this shape: {e}")
+        raise
+
+
 def _max_error(y: torch.Tensor, x: torch.Tensor) -> float:
     """Max abs error against the float64 reference on the first rows (enough to catch a bug)."""
     rows = max(1, min(x.shape[0], (1 << 22) // x.shape[1]))
@@ -63,7 +73,7 @@ def test_softmax_forward(benchmark, impl, n_cols, dtype):
     benchmark.group = f"softmax-fwd {str(dtype)[6:]} {n_rows}x{n_cols}"
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 4
     fn = _impl(impl)
-    y = fn(x)
+    y = _first_call(impl, fn, x)
     bench.run_cuda(benchmark, lambda: fn(x))
     bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=bench.bytes_of(x, y),
                    max_error=_max_error(y, x))
@@ -76,7 +86,7 @@ def test_softmax_forward_few_long_rows(benchmark, impl, n_rows, n_cols):
     benchmark.group = f"softmax-fwd bfloat16 {n_rows}x{n_cols} (few rows)"
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) * 4
     fn = _impl(impl)
-    y = fn(x)
+    y = _first_call(impl, fn, x)
     bench.run_cuda(benchmark, lambda: fn(x))
     bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=bench.bytes_of(x, y),
                    max_error=_max_error(y, x))
@@ -90,7 +100,7 @@ def test_softmax_backward(benchmark, impl, n_cols):
     benchmark.group = f"softmax-bwd bfloat16 {n_rows}x{n_cols}"
     x = (torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 4).requires_grad_(True)
     dy = torch.randn_like(x)
-    y = _impl(impl)(x)
+    y = _first_call(impl, _impl(impl), x)
     bench.run_cuda(benchmark, lambda: torch.autograd.grad(y, x, dy, retain_graph=True))
     (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
     rows = max(1, (1 << 22) // n_cols)

@@ -18,7 +18,7 @@ we shift it by 0 instead of -inf so it yields softmax 0 and log-softmax -inf, ne
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a constexpr global: jit functions can read it
 
 
 @triton.jit
@@ -49,7 +49,10 @@ def _write_normalized(x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr,
     shift = _safe_shift(m)
     inv_s = tl.where(s > 0, 1.0 / s, 0.0)
     log_s = tl.log(s)
-    for off in range(start, end, BLOCK_N):
+    # Walk the chunks last to first: the end of the row was read last by the statistics pass,
+    # so it is the part most likely still in L2.
+    last = start + (tl.cdiv(end - start, BLOCK_N) - 1) * BLOCK_N
+    for off in range(last, start - 1, -BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         x = tl.load(x_row_ptr + cols, mask=mask, other=NEG_INF).to(tl.float32)
@@ -164,7 +167,9 @@ def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
 
 @triton.jit
 def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    for off in range(start, end, BLOCK_N):
+    """dx[start:end] from y, dy and the row's reduction `dot`; last chunk first (see above)."""
+    last = start + (tl.cdiv(end - start, BLOCK_N) - 1) * BLOCK_N
+    for off in range(last, start - 1, -BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         y = tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)

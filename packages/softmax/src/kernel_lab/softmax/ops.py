@@ -40,9 +40,11 @@ FWD_MAX_FUSED_COLS = 16384
 BWD_MAX_FUSED_COLS = 8192
 # Elements one program of the rows kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its launch and reduction latency.
-ROWS_TILE = 4096
-# Columns per loop step of the looped and split kernels (8 KiB of bf16 per step).
-LOOP_BLOCK_N = 4096
+ROWS_TILE = 2048
+# Columns per loop step of the looped and split kernels, and their warps: the best of
+# {2048..16384} x {4, 8, 16} for 32k- and 128k-column bf16 rows on an H200.
+LOOP_BLOCK_N = 16384
+LOOP_NUM_WARPS = 16
 # Programs per SM that the split path aims for when there are too few rows to fill the GPU.
 SPLIT_PROGRAMS_PER_SM = 4
 # The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
@@ -71,9 +73,10 @@ def _plan(n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device) -
     sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
     n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, LOOP_BLOCK_N))
     if n_splits <= 1:
-        return _Plan("looped", block_n=LOOP_BLOCK_N)
+        return _Plan("looped", block_n=LOOP_BLOCK_N, num_warps=LOOP_NUM_WARPS)
     chunk = triton.cdiv(triton.cdiv(n_cols, n_splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
-    return _Plan("split", block_n=LOOP_BLOCK_N, n_splits=triton.cdiv(n_cols, chunk), chunk=chunk)
+    n_splits = triton.cdiv(n_cols, chunk)
+    return _Plan("split", block_n=LOOP_BLOCK_N, num_warps=LOOP_NUM_WARPS, n_splits=n_splits, chunk=chunk)
 
 
 def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -95,10 +98,18 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+def _kernel(kernel, traceable: bool):
+    """The kernel to launch: through `wrap_triton` when torch.compile traces the op (so the
+    launch appears in the graph), else directly. Eager launches skip wrap_triton because its
+    higher-order-op dispatch costs about 140 us per launch on an H200 host, more than the
+    kernel itself on inputs of a few MB."""
+    return wrap_triton(kernel) if traceable else kernel
+
+
+def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
 
-    Assumes checked inputs. Output: same shape and dtype as x.
+    Assumes checked inputs. Output: same shape and dtype as x. `traceable`: see `_kernel`.
     """
     if runtime.backend(x) == "reference":
         fn = reference.log_softmax if log else reference.softmax
@@ -110,12 +121,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         return _from_rows(y2, x, dim)
     plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device)
     if plan.kind == "rows":
-        wrap_triton(_softmax_fwd_rows_kernel)[(triton.cdiv(n_rows, plan.block_m),)](
+        _kernel(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        wrap_triton(_softmax_fwd_looped_kernel)[(n_rows,)](
+        _kernel(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
             x2, y2, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
@@ -123,11 +134,11 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
         grid = (n_rows, plan.n_splits)
-        wrap_triton(_softmax_fwd_partial_kernel)[grid](
+        _kernel(_softmax_fwd_partial_kernel, traceable)[grid](
             x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, plan.n_splits,
             BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
-        wrap_triton(_softmax_fwd_split_kernel)[grid](
+        _kernel(_softmax_fwd_split_kernel, traceable)[grid](
             x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
@@ -135,7 +146,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     return _from_rows(y2, x, dim)
 
 
-def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: dx from the forward output `y` and the incoming gradient `dy` (same shape)."""
     if runtime.backend(y) == "reference":
         fn = reference.log_softmax_backward if log else reference.softmax_backward
@@ -147,23 +158,23 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch
         return _from_rows(dx2, dy, dim)
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device)
     if plan.kind == "rows":
-        wrap_triton(_softmax_bwd_rows_kernel)[(triton.cdiv(n_rows, plan.block_m),)](
+        _kernel(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        wrap_triton(_softmax_bwd_looped_kernel)[(n_rows,)](
+        _kernel(_softmax_bwd_looped_kernel, traceable)[(n_rows,)](
             y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     else:
         part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
         grid = (n_rows, plan.n_splits)
-        wrap_triton(_softmax_bwd_partial_kernel)[grid](
+        _kernel(_softmax_bwd_partial_kernel, traceable)[grid](
             y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
-        wrap_triton(_softmax_bwd_split_kernel)[grid](
+        _kernel(_softmax_bwd_split_kernel, traceable)[grid](
             y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
@@ -177,12 +188,12 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch
 
 @triton_op("kernel_lab::softmax_fwd", mutates_args=())
 def _softmax_fwd_op(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return softmax_fwd(x, dim, log)
+    return softmax_fwd(x, dim, log, traceable=True)
 
 
 @triton_op("kernel_lab::softmax_bwd", mutates_args=())
 def _softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return softmax_bwd(y, dy, dim, log)
+    return softmax_bwd(y, dy, dim, log, traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
