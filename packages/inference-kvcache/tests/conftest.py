@@ -51,14 +51,15 @@ def fill(cache, layer, lengths, *, dtype, seed, prefill):
 
 
 def dense_view(cache, layer, rows):
-    """The cache contents of `rows` as a dense (B, max_len, H, D) float64 tensor."""
-    lengths = torch.tensor([cache.seq_len(layer, r) for r in rows])
+    """The cache contents of `rows` as a dense (B, max_len, H, D) float64 tensor, on the cache's
+    device (the gpu tier's 128k-token references would take minutes on the CPU)."""
+    lengths = torch.tensor([cache.seq_len(layer, r) for r in rows], device=cache.device)
     if isinstance(cache, PagedKVCache):
-        table = cache.block_table[rows].cpu()
-        return (reference.paged_gather(cache.k[layer].cpu(), table, lengths),
-                reference.paged_gather(cache.v[layer].cpu(), table, lengths))
+        table = cache.block_table[rows]
+        return (reference.paged_gather(cache.k[layer], table, lengths),
+                reference.paged_gather(cache.v[layer], table, lengths))
     n = int(lengths.max())
-    return cache.k[layer, rows, :n].cpu().double(), cache.v[layer, rows, :n].cpu().double()
+    return cache.k[layer, rows, :n].double(), cache.v[layer, rows, :n].double()
 
 
 @pytest.fixture(params=["contiguous", "paged"])

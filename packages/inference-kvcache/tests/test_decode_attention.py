@@ -24,10 +24,9 @@ def check_decode(out, q, cache, layer, rows=None, scale=None):
     lengths = torch.tensor([cache.seq_len(layer, r) for r in rows])
     scales = {}
     if cache.is_fp8:
-        scales = {"k_scale": cache.k_scale[layer].cpu(), "v_scale": cache.v_scale[layer].cpu()}
-    qc = q.cpu()
-    ref = reference.decode_attention(qc, k, v, lengths, scale=scale, **scales)
-    base = reference.decode_attention(qc, k, v, lengths, scale=scale, compute_dtype=q.dtype, **scales)
+        scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
+    ref = reference.decode_attention(q, k, v, lengths, scale=scale, **scales)
+    base = reference.decode_attention(q, k, v, lengths, scale=scale, compute_dtype=q.dtype, **scales)
     assert out.shape == q.shape and out.dtype == q.dtype
     return assert_close_to_reference(out, ref, base, factor=FACTOR)
 

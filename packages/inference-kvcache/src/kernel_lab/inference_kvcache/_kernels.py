@@ -8,6 +8,8 @@ A contiguous cache (B, T_max, H, D) is the same thing with one block per sequenc
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -99,6 +101,10 @@ def _decode_configs():
     # Under the interpreter every config would run at every call: keep one.
     if runtime.interpret_mode():
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    # KERNEL_LAB_AUTOTUNE=0 keeps one config: test suites with many shapes then compile each
+    # specialization once instead of once per config.
+    if os.environ.get("KERNEL_LAB_AUTOTUNE", "1") == "0":
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3)]
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bn, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3))
