@@ -9,7 +9,10 @@ Groups (one per shape and dtype, one row per implementation):
   group also has the weight-only rows kernel_lab-int8 (per channel) and kernel_lab-int4 (group
   128), against the same cuBLAS bf16 baseline. Weights are rotated through enough copies to
   exceed 3x the L2, so every call streams its weight from HBM; bytes_moved counts the weight
-  (codes and scales for the quantized rows), x and the output.
+  (codes and scales for the quantized rows), x and the output. Decode and rms_norm_linear rows
+  replay one CUDA graph per weight copy (every implementation alike, as serving engines run
+  decode), so host launch overhead is not what they measure; extra_info["timing"] says
+  "cuda-graph" (or "eager" where capture failed).
 - fp8: per-tensor scaled (row-wise for one group), torch._scaled_mm as the baseline.
 - rms_norm_linear: M in {1, 16, 64}, N x K = 6144 x 4096 (Llama-3-8B's fused QKV), bf16; rows:
   the unfused torch pair (baseline), torch.compile of the pair, kernel_lab's fused kernel.
@@ -52,6 +55,30 @@ def _copies(nbytes: int) -> int:
 
 def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out[:ERROR_ROWS].double() - ref).abs().max())
+
+
+def _graph_replays(op, weights):
+    """A callable running op(w) on the next weight copy, each copy's call captured once as a CUDA
+    graph: decode is timed as serving engines run it, without host launch overhead, for every
+    implementation alike. Falls back to eager calls (and says so) when capture fails.
+    Returns (callable, timing mode)."""
+    for w in weights:  # warm-up outside capture: autotuning, compilation, cuBLAS workspaces
+        op(w)
+    torch.cuda.synchronize()
+    try:
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for w in weights:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                op(w)
+            graphs.append(g)
+    except Exception:  # any capture failure means: time it eagerly
+        torch.cuda.synchronize()
+        cycle = itertools.cycle(weights)
+        return (lambda: op(next(cycle))), "eager"
+    cycle = itertools.cycle(graphs)
+    return (lambda: next(cycle).replay()), "cuda-graph"
 
 
 def _role(impl: str) -> str:
@@ -137,12 +164,13 @@ def test_gemm_decode(benchmark, case, impl):
         def op(w):
             return gemm.quantized_matmul(x, w)
 
-    cycle = itertools.cycle(weights)
     err = _max_error(op(weights[0]), ref)
-    bench.run_cuda(benchmark, lambda: op(next(cycle)))
+    fn, timing = _graph_replays(op, weights)
+    bench.run_cuda(benchmark, fn)
     bench.annotate(
         benchmark, impl=impl, role=_role(impl), bytes_moved=weight_bytes + (m * k + m * n) * 2,
         flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
+        timing=timing,
     )
 
 
@@ -197,7 +225,6 @@ def test_rms_norm_linear(benchmark, m, impl):
     g = _rand(k, dtype=torch.bfloat16, seed=8)
     w0 = _rand(n, k, dtype=torch.bfloat16, seed=9, scale=k**-0.5)
     weights = [w0] + [w0.clone() for _ in range(_copies(w0.numel() * 2) - 1)]
-    cycle = itertools.cycle(weights)
 
     def unfused(x, g, w):
         return F.linear(F.rms_norm(x, (k,), g, eps), w)
@@ -208,8 +235,9 @@ def test_rms_norm_linear(benchmark, m, impl):
         "kernel_lab": lambda x, g, w: gemm.rms_norm_linear(x, g, w, eps=eps),
     }[impl]
     err = _max_error(op(x, g, w0), reference.rms_norm_linear(x, g, w0, eps))
-    bench.run_cuda(benchmark, lambda: op(x, g, next(cycle)))
+    fn, timing = _graph_replays(lambda w: op(x, g, w), weights)
+    bench.run_cuda(benchmark, fn)
     bench.annotate(
         benchmark, impl=impl, role=_role(impl), bytes_moved=(n * k + m * k + k + m * n) * 2,
-        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16",
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16", timing=timing,
     )

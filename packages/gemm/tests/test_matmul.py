@@ -247,8 +247,11 @@ def test_fp8_matmul_matches_reference_and_scaled_mm(seed, granularity, m, n, k):
     bias = testing.randn(n, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
     out = fp8_matmul(xq, wq.t(), sx, sw, bias=bias)
     ref = reference.fp8_matmul(xq, wq.t(), sx, sw, bias)
-    base = torch._scaled_mm(xq, wq.t(), sx.reshape(-1, 1) if sx.numel() > 1 else sx.reshape(()),
-                            sw if sw.numel() > 1 else sw.reshape(()), bias=bias, out_dtype=torch.bfloat16)
+    # _scaled_mm wants both scales row-wise ((M, 1) and (1, N)) or both scalars
+    row = granularity == "row"
+    sa_mm, sb_mm = (sx.reshape(-1, 1), sw.reshape(1, -1)) if row else (sx.reshape(()), sw.reshape(()))
+    # (the bias is added outside: _scaled_mm does not take one with row-wise scales)
+    base = (torch._scaled_mm(xq, wq.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16).float() + bias.float()).bfloat16()
     testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name="fp8_matmul")
 
 

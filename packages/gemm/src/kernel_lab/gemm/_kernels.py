@@ -6,7 +6,8 @@ transposed view such as `weight.t()` costs nothing), c is (M, N). Accumulation i
 Split-K: the grid's second axis splits the K loop (K_PER_SPLIT columns each); with
 WRITE_PARTIAL each program writes its raw float32 partial tile to a (splits, M, N) workspace,
 and `_splitk_reduce_kernel` sums the partials and applies the epilogue. Decode shapes
-(M <= 64) need it: one program per N tile would leave most SMs idle while the weight, the only large operand, streams from HBM.
+(M <= 64) need it: one program per N tile would leave most SMs idle while the weight, the
+only large operand, streams from HBM.
 """
 
 import triton
@@ -106,7 +107,10 @@ def _matmul_kernel(
     offs_am = (offs_m % M).to(tl.int64)
     offs_bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
+    # A split starts on a multiple of its BLOCK_K (>= 16; the prefill path has one split at 0):
+    # telling the compiler keeps the K-contiguous loads 16-byte vectorised although K_PER_SPLIT
+    # itself is not specialised.
+    k_start = tl.multiple_of(pid_k * K_PER_SPLIT, 16)
     k_end = min(K, k_start + K_PER_SPLIT)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
@@ -115,7 +119,13 @@ def _matmul_kernel(
         k_mask = (k + offs_k) < k_end
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        if HAS_SCALE:
+            # float8 (the only scaled case): Hopper's wgmma keeps fp8 partial sums in reduced
+            # precision unless told to promote them; promoting into the float32 accumulator
+            # after every BLOCK_K tile matches torch._scaled_mm's default (no fast accumulation).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if not WRITE_PARTIAL:
@@ -187,7 +197,10 @@ def _quantized_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_xm = (offs_m % M).to(tl.int64)
     offs_qn = (offs_n % N).to(tl.int64)
-    k_start = pid_k * K_PER_SPLIT
+    # A split starts on a multiple of its BLOCK_K (>= 16; the prefill path has one split at 0):
+    # telling the compiler keeps the K-contiguous loads 16-byte vectorised although K_PER_SPLIT
+    # itself is not specialised.
+    k_start = tl.multiple_of(pid_k * K_PER_SPLIT, 16)
     k_end = min(K, k_start + K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 8:
@@ -266,7 +279,10 @@ def _rms_norm_linear_kernel(
     offs_xm = (offs_m % M).to(tl.int64)
     offs_bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
+    # A split starts on a multiple of its BLOCK_K (>= 16; the prefill path has one split at 0):
+    # telling the compiler keeps the K-contiguous loads 16-byte vectorised although K_PER_SPLIT
+    # itself is not specialised.
+    k_start = tl.multiple_of(pid_k * K_PER_SPLIT, 16)
     k_end = min(K, k_start + K_PER_SPLIT)
     x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn

@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch.library import triton_op, wrap_triton
 
 from kernel_lab.shared import reference, runtime
@@ -77,8 +76,18 @@ REDUCE_BLOCK_N = 128
 # planning helpers
 
 
+# Host-side integer helpers in plain Python: triton.cdiv / triton.next_power_of_2 are @jit
+# functions whose host call costs ~15 us each, which a decode launch cannot afford.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _m_bucket(m: int) -> int:
-    return min(triton.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
+    return min(_next_pow2(max(m, 1)), M_BUCKET_CAP)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -93,29 +102,29 @@ class _SkinnyPlan:
     k_per_split: int
 
     def grid(self, m: int, n: int) -> tuple[int, int]:
-        return (triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n), self.split_k)
+        return (_cdiv(m, self.block_m) * _cdiv(n, self.block_n), self.split_k)
 
 
 def _skinny_plan(m: int, n: int, k: int, weight_bytes: int, device: torch.device, k_align: int) -> _SkinnyPlan:
     """BLOCK_M covering M, fixed BLOCK_N, and the K split that fills the GPU (see constants)."""
     interpret = device.type != "cuda"
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, _next_pow2(m))
     block_n = INTERPRET_BLOCK if interpret else SKINNY_BLOCK_N
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
+    split = _cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
     partial_bytes_per_split = 2 * m * n * 4
     split = min(split, max(1, int(SPLIT_MAX_TRAFFIC * weight_bytes / partial_bytes_per_split)), MAX_SPLIT_K)
-    split = max(1, min(split, triton.cdiv(k, k_align)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), k_align) * k_align
-    return _SkinnyPlan(block_m, block_n, triton.cdiv(k, k_per_split), k_per_split)
+    split = max(1, min(split, _cdiv(k, k_align)))
+    k_per_split = _cdiv(_cdiv(k, split), k_align) * k_align
+    return _SkinnyPlan(block_m, block_n, _cdiv(k, k_per_split), k_per_split)
 
 
 def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none"):
     """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
     n_splits, m, n = ws.shape
-    block_m = min(16, max(1, triton.next_power_of_2(m)))
+    block_m = min(16, max(1, _next_pow2(m)))
     dummy = c
-    wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(m, block_m), triton.cdiv(n, REDUCE_BLOCK_N))](
+    wrap_triton(_splitk_reduce_kernel)[(_cdiv(m, block_m), _cdiv(n, REDUCE_BLOCK_N))](
         ws, c, dummy if ssq is None else ssq,
         dummy if bias is None else bias,
         dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,
@@ -186,7 +195,7 @@ def matmul_fwd(
         stride_sa, stride_sb, 0, k,
     )
     if interpret:
-        grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
+        grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
         wrap_triton(_matmul_kernel)[grid](
             *args, WRITE_PARTIAL=False, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
             GROUP_M=2, **common,
@@ -195,7 +204,7 @@ def matmul_fwd(
     kernel = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+        return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
 
     wrap_triton(kernel)[grid](*args, WRITE_PARTIAL=False, **common)
     return c
@@ -238,7 +247,7 @@ def quantized_matmul_fwd(
         split_k, k_per_split = 1, k
         num_warps, num_stages = 8, 3
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split_k)
+    grid = (_cdiv(m, block_m) * _cdiv(n, block_n), split_k)
     wrap_triton(_quantized_matmul_kernel)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
         m, n, k, _m_bucket(m),
@@ -291,7 +300,7 @@ def rms_norm_linear_fwd(
         x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
     )
     if interpret:
-        grid = (triton.cdiv(m, INTERPRET_BLOCK) * triton.cdiv(n, INTERPRET_BLOCK), 1)
+        grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
         wrap_triton(_rms_norm_linear_kernel)[grid](
             *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
             BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
@@ -299,7 +308,7 @@ def rms_norm_linear_fwd(
         return c
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+        return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
 
     wrap_triton(_rms_norm_linear_kernel_prefill)[grid](*args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False)
     return c
