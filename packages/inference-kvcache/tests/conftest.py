@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernel_lab.inference_kvcache import KVCache, PagedKVCache
 from kernel_lab.shared import reference
-from kernel_lab.shared.testing import randn
+from kernel_lab.shared.testing import assert_close_to_reference, randn
+
+# The FlashAttention KV-cache rule: 3x the same-precision PyTorch error (docs/correctness.md).
+DECODE_FACTOR = 3.0
 
 
 def make_cache(kind: str, *, layers=1, batch, max_len, h_kv, d, dtype, device, block_size=4):
@@ -60,6 +65,27 @@ def dense_view(cache, layer, rows):
                 reference.paged_gather(cache.v[layer], table, lengths))
     n = int(lengths.max())
     return cache.k[layer, rows, :n].double(), cache.v[layer, rows, :n].double()
+
+
+def check_decode(out, q, cache, layer, rows=None, scale=None):
+    """Compare `out` with the reference and the same-precision baseline on the cache's contents."""
+    rows = list(range(q.shape[0])) if rows is None else rows
+    k, v = dense_view(cache, layer, rows)
+    lengths = torch.tensor([cache.seq_len(layer, r) for r in rows])
+    scales = {}
+    if cache.is_fp8:
+        scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
+    ref = reference.decode_attention(q, k, v, lengths, scale=scale, **scales)
+    base = reference.decode_attention(q, k, v, lengths, scale=scale, compute_dtype=q.dtype, **scales)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    return assert_close_to_reference(out, ref, base, factor=DECODE_FACTOR)
+
+
+@pytest.fixture
+def kvh() -> SimpleNamespace:
+    """The helpers above, as a fixture: test modules cannot import conftest under
+    --import-mode=importlib (what nox uses)."""
+    return SimpleNamespace(make_cache=make_cache, fill=fill, dense_view=dense_view, check_decode=check_decode)
 
 
 @pytest.fixture(params=["contiguous", "paged"])

@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-from conftest import dense_view, fill, make_cache
 
 from kernel_lab.inference_kvcache import KVCache, PagedKVCache, kv_append
 from kernel_lab.inference_kvcache import ops as kv_ops
@@ -14,38 +13,38 @@ from kernel_lab.shared.testing import randn
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_append_ragged_prefill_and_decode_tokens_land_in_order(kernel_device, seed, cache_kind, dtype):
+def test_append_ragged_prefill_and_decode_tokens_land_in_order(kvh, kernel_device, seed, cache_kind, dtype):
     # Block size 3 (not a power of two) and lengths 0, 1, 3, 7, 10: appends start and end
     # inside blocks and cross block boundaries, in the prefill and in the decode steps.
     lengths = [7, 0, 10, 1, 3]
-    cache = make_cache(cache_kind, batch=5, max_len=12, h_kv=3, d=8, dtype=dtype, device=kernel_device,
+    cache = kvh.make_cache(cache_kind, batch=5, max_len=12, h_kv=3, d=8, dtype=dtype, device=kernel_device,
                        block_size=3)
-    k, v = fill(cache, 0, lengths, dtype=dtype, seed=seed, prefill=5)
+    k, v = kvh.fill(cache, 0, lengths, dtype=dtype, seed=seed, prefill=5)
     assert cache.lengths(0).tolist()[:5] == lengths
-    got_k, got_v = dense_view(cache, 0, list(range(5)))
+    got_k, got_v = kvh.dense_view(cache, 0, list(range(5)))
     for b, n in enumerate(lengths):
         assert torch.equal(got_k[b, :n], k[b, :n].double()), f"keys of sequence {b}"
         assert torch.equal(got_v[b, :n], v[b, :n].double()), f"values of sequence {b}"
 
 
 @pytest.mark.interpret
-def test_append_strided_inputs_and_seq_ids(kernel_device, seed, cache_kind):
-    cache = make_cache(cache_kind, batch=4, max_len=8, h_kv=2, d=16, dtype=torch.float16,
+def test_append_strided_inputs_and_seq_ids(kvh, kernel_device, seed, cache_kind):
+    cache = kvh.make_cache(cache_kind, batch=4, max_len=8, h_kv=2, d=16, dtype=torch.float16,
                        device=kernel_device)
     # (B, H, T, D) storage seen as (B, T, H, D): no unit stride on the token dim.
     k = randn(2, 2, 5, 16, dtype=torch.float16, seed=seed, device=kernel_device).transpose(1, 2)
     v = randn(2, 2, 5, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device).transpose(1, 2)
     cache.append(0, k, v, seq_ids=[3, 1], num_new=[5, 2])
     assert cache.lengths(0).tolist()[:4] == [0, 2, 0, 5]
-    got_k, got_v = dense_view(cache, 0, [3, 1])
+    got_k, got_v = kvh.dense_view(cache, 0, [3, 1])
     assert torch.equal(got_k[0], k[0].double()) and torch.equal(got_v[0], v[0].double())
     assert torch.equal(got_k[1, :2], k[1, :2].double())
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_fp8_append_stores_the_bytes_torch_quantization_gives(kernel_device, seed, cache_kind, in_dtype):
-    cache = make_cache(cache_kind, batch=2, max_len=9, h_kv=3, d=16, dtype=torch.float8_e4m3fn,
+def test_fp8_append_stores_the_bytes_torch_quantization_gives(kvh, kernel_device, seed, cache_kind, in_dtype):
+    cache = kvh.make_cache(cache_kind, batch=2, max_len=9, h_kv=3, d=16, dtype=torch.float8_e4m3fn,
                        device=kernel_device)
     k = randn(2, 9, 3, 16, dtype=in_dtype, seed=seed, device=kernel_device, scale=3.0)
     v = randn(2, 9, 3, 16, dtype=in_dtype, seed=seed + 1, device=kernel_device)
@@ -194,16 +193,16 @@ def test_kv_append_tensor_level_checks():
         kv_append(new, new, kc.float(), kc.float(), lengths, seq_ids=torch.zeros(3, dtype=torch.int32))
 
 
-def test_reference_backend_append_and_decode(monkeypatch, seed, cache_kind):
+def test_reference_backend_append_and_decode(kvh, monkeypatch, seed, cache_kind):
     """CPU without the interpreter: torch indexing and the shared reference do the work."""
     monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "reference")
     from kernel_lab.inference_kvcache import decode_attention
 
     for dtype in (torch.float32, torch.float8_e4m3fn):
-        cache = make_cache(cache_kind, batch=3, max_len=9, h_kv=2, d=8, dtype=dtype, device="cpu")
+        cache = kvh.make_cache(cache_kind, batch=3, max_len=9, h_kv=2, d=8, dtype=dtype, device="cpu")
         lengths = [9, 0, 4]
-        k, _ = fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=3)
-        got_k, _ = dense_view(cache, 0, [0, 1, 2])
+        k, _ = kvh.fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=3)
+        got_k, _ = kvh.dense_view(cache, 0, [0, 1, 2])
         expected = k.double()
         if dtype == torch.float8_e4m3fn:
             s = cache.k_scale[0]
@@ -213,6 +212,6 @@ def test_reference_backend_append_and_decode(monkeypatch, seed, cache_kind):
         q = randn(3, 4, 8, seed=seed + 2)
         out = decode_attention(q, cache, 0)
         scales = {"k_scale": cache.k_scale[0], "v_scale": cache.v_scale[0]} if cache.is_fp8 else {}
-        _, got_v = dense_view(cache, 0, [0, 1, 2])
+        _, got_v = kvh.dense_view(cache, 0, [0, 1, 2])
         ref = reference.decode_attention(q, got_k, got_v, torch.tensor(lengths), **scales)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)

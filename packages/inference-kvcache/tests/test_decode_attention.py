@@ -8,114 +8,97 @@ tier runs float16 and float32 and the gpu tier adds bfloat16.
 
 import pytest
 import torch
-from conftest import dense_view, fill, make_cache
 
 from kernel_lab.inference_kvcache import KVCache, PagedKVCache, decode_attention, flash_decode
-from kernel_lab.shared import reference, shapes
-from kernel_lab.shared.testing import assert_close_to_reference, randn, strided_rows
-
-FACTOR = 3.0
-
-
-def check_decode(out, q, cache, layer, rows=None, scale=None):
-    """Compare `out` with the reference and the same-precision baseline on the cache's contents."""
-    rows = list(range(q.shape[0])) if rows is None else rows
-    k, v = dense_view(cache, layer, rows)
-    lengths = torch.tensor([cache.seq_len(layer, r) for r in rows])
-    scales = {}
-    if cache.is_fp8:
-        scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
-    ref = reference.decode_attention(q, k, v, lengths, scale=scale, **scales)
-    base = reference.decode_attention(q, k, v, lengths, scale=scale, compute_dtype=q.dtype, **scales)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    return assert_close_to_reference(out, ref, base, factor=FACTOR)
+from kernel_lab.shared import shapes
+from kernel_lab.shared.testing import randn, strided_rows
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("h_q,h_kv", [(4, 4), (8, 2), (16, 2), (8, 1)])  # GQA ratios 1, 4, 8, MQA
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_ragged_gqa_matches_reference(kernel_device, seed, h_q, h_kv, num_splits):
+def test_decode_ragged_gqa_matches_reference(kvh, kernel_device, seed, h_q, h_kv, num_splits):
     lengths = [0, 1, 37, 69]
-    cache = make_cache("contiguous", batch=4, max_len=70, h_kv=h_kv, d=32, dtype=torch.float16,
+    cache = kvh.make_cache("contiguous", batch=4, max_len=70, h_kv=h_kv, d=32, dtype=torch.float16,
                        device=kernel_device)
-    fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=69)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=69)
     q = randn(4, h_q, 32, dtype=torch.float16, seed=seed + 7, device=kernel_device)
     out = decode_attention(q, cache, 0, num_splits=num_splits)
-    check_decode(out, q, cache, 0)
+    kvh.check_decode(out, q, cache, 0)
     assert torch.equal(out[0], torch.zeros_like(out[0])), "an empty sequence gives zeros"
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_paged_gives_the_contiguous_result(kernel_device, seed, block_size):
+def test_decode_paged_gives_the_contiguous_result(kvh, kernel_device, seed, block_size):
     lengths = [23, 1, 0, 40]
     caches = [
-        make_cache(kind, batch=4, max_len=41, h_kv=2, d=16, dtype=torch.float16, device=kernel_device,
+        kvh.make_cache(kind, batch=4, max_len=41, h_kv=2, d=16, dtype=torch.float16, device=kernel_device,
                    block_size=block_size)
         for kind in ("contiguous", "paged")
     ]
     for c in caches:
-        fill(c, 0, lengths, dtype=torch.float16, seed=seed, prefill=20)
+        kvh.fill(c, 0, lengths, dtype=torch.float16, seed=seed, prefill=20)
     q = randn(4, 8, 16, dtype=torch.float16, seed=seed + 3, device=kernel_device)
     outs = [decode_attention(q, c, 0, num_splits=2) for c in caches]
-    check_decode(outs[1], q, caches[1], 0)
+    kvh.check_decode(outs[1], q, caches[1], 0)
     # Same tiles, same order: paging only changes addresses, so the results are identical.
     assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.interpret
-def test_decode_split_and_unsplit_agree(kernel_device, seed, cache_kind):
+def test_decode_split_and_unsplit_agree(kvh, kernel_device, seed, cache_kind):
     lengths = [97, 5, 64]
-    cache = make_cache(cache_kind, batch=3, max_len=97, h_kv=1, d=32, dtype=torch.float32,
+    cache = kvh.make_cache(cache_kind, batch=3, max_len=97, h_kv=1, d=32, dtype=torch.float32,
                        device=kernel_device, block_size=8)
-    fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=97)
+    kvh.fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=97)
     q = randn(3, 4, 32, dtype=torch.float32, seed=seed + 1, device=kernel_device)
     for splits in (1, 4, None):
-        check_decode(decode_attention(q, cache, 0, num_splits=splits), q, cache, 0)
+        kvh.check_decode(decode_attention(q, cache, 0, num_splits=splits), q, cache, 0)
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("t_q", [2, 5])
-def test_decode_speculative_queries_are_causal_among_themselves(kernel_device, seed, cache_kind, t_q):
+def test_decode_speculative_queries_are_causal_among_themselves(kvh, kernel_device, seed, cache_kind, t_q):
     lengths = [1, 0, 13, 30]  # 1 < T_q: the earliest queries of sequence 0 see no key
-    cache = make_cache(cache_kind, batch=4, max_len=30, h_kv=2, d=16, dtype=torch.float16,
+    cache = kvh.make_cache(cache_kind, batch=4, max_len=30, h_kv=2, d=16, dtype=torch.float16,
                        device=kernel_device)
-    fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=30)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=30)
     q = randn(4, t_q, 8, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
-    check_decode(decode_attention(q, cache, 0, num_splits=2), q, cache, 0)
+    kvh.check_decode(decode_attention(q, cache, 0, num_splits=2), q, cache, 0)
 
 
 @pytest.mark.interpret
-def test_decode_fp8_cache_matches_dequantized_reference(kernel_device, seed, cache_kind):
+def test_decode_fp8_cache_matches_dequantized_reference(kvh, kernel_device, seed, cache_kind):
     lengths = [45, 0, 7]
-    cache = make_cache(cache_kind, batch=3, max_len=45, h_kv=2, d=32, dtype=torch.float8_e4m3fn,
+    cache = kvh.make_cache(cache_kind, batch=3, max_len=45, h_kv=2, d=32, dtype=torch.float8_e4m3fn,
                        device=kernel_device)
-    fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=45)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=45)
     q = randn(3, 8, 32, dtype=torch.float16, seed=seed + 5, device=kernel_device)
     for splits in (1, 2):
-        check_decode(decode_attention(q, cache, 0, num_splits=splits), q, cache, 0)
+        kvh.check_decode(decode_attention(q, cache, 0, num_splits=splits), q, cache, 0)
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("d", [40, 64, 128])
-def test_decode_head_dims_and_strided_query(kernel_device, seed, d):
+def test_decode_head_dims_and_strided_query(kvh, kernel_device, seed, d):
     lengths = [19, 33]
-    cache = make_cache("paged", batch=2, max_len=33, h_kv=2, d=d, dtype=torch.float16,
+    cache = kvh.make_cache("paged", batch=2, max_len=33, h_kv=2, d=d, dtype=torch.float16,
                        device=kernel_device, block_size=16)
-    fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=33)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=33)
     q = strided_rows(randn(2, 4, d, dtype=torch.float16, seed=seed + 1, device=kernel_device))
-    check_decode(decode_attention(q, cache, 0, scale=0.2), q, cache, 0, scale=0.2)
+    kvh.check_decode(decode_attention(q, cache, 0, scale=0.2), q, cache, 0, scale=0.2)
 
 
 @pytest.mark.interpret
-def test_decode_seq_ids_select_and_reorder_sequences(kernel_device, seed, cache_kind):
+def test_decode_seq_ids_select_and_reorder_sequences(kvh, kernel_device, seed, cache_kind):
     lengths = [9, 21, 0, 5]
-    cache = make_cache(cache_kind, batch=4, max_len=21, h_kv=1, d=16, dtype=torch.float16,
+    cache = kvh.make_cache(cache_kind, batch=4, max_len=21, h_kv=1, d=16, dtype=torch.float16,
                        device=kernel_device)
-    fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=21)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=21)
     q = randn(3, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
     out = decode_attention(q, cache, 0, seq_ids=[3, 1, 2])
-    check_decode(out, q, cache, 0, rows=[3, 1, 2])
+    kvh.check_decode(out, q, cache, 0, rows=[3, 1, 2])
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,7 +160,7 @@ def test_decode_attention_checks_cache_and_sequences():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,dtype", [("contiguous", torch.bfloat16), ("paged", torch.bfloat16),
                                         ("contiguous", torch.float8_e4m3fn), ("paged", torch.float16)])
-def test_decode_llama3_8b_long_context_matches_reference(seed, kind, dtype):
+def test_decode_llama3_8b_long_context_matches_reference(kvh, seed, kind, dtype):
     m = shapes.model("llama-3-8b")
     t = 128 * 1024
     q_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
@@ -193,24 +176,24 @@ def test_decode_llama3_8b_long_context_matches_reference(seed, kind, dtype):
     cache.append(0, k[:, t - 1 :], v[:, t - 1 :])
     q = randn(1, m.num_heads, m.head_dim, dtype=q_dtype, seed=seed + 2, device="cuda", scale=3.0)
     out = decode_attention(q, cache, 0)
-    check_decode(out, q, cache, 0)
+    kvh.check_decode(out, q, cache, 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_decode_ragged_batch_gpu(seed, cache_kind, d):
+def test_decode_ragged_batch_gpu(kvh, seed, cache_kind, d):
     lengths = [8191, 1, 0, 4096, 3000, 17, 512, 8000]
-    cache = make_cache(cache_kind, batch=8, max_len=8192, h_kv=4, d=d, dtype=torch.bfloat16,
+    cache = kvh.make_cache(cache_kind, batch=8, max_len=8192, h_kv=4, d=d, dtype=torch.bfloat16,
                        device="cuda", block_size=16)
-    fill(cache, 0, lengths, dtype=torch.bfloat16, seed=seed, prefill=8190)
+    kvh.fill(cache, 0, lengths, dtype=torch.bfloat16, seed=seed, prefill=8190)
     q = randn(8, 3, 32, d, dtype=torch.bfloat16, seed=seed + 1, device="cuda")
-    check_decode(decode_attention(q, cache, 0), q, cache, 0)
+    kvh.check_decode(decode_attention(q, cache, 0), q, cache, 0)
 
 
 @pytest.mark.gpu
-def test_decode_under_torch_compile_fullgraph(seed):
+def test_decode_under_torch_compile_fullgraph(kvh, seed):
     cache = KVCache(1, 4, 2048, 8, 128, dtype=torch.bfloat16, device="cuda")
-    fill(cache, 0, [2048, 100, 1, 1500], dtype=torch.bfloat16, seed=seed, prefill=2048)
+    kvh.fill(cache, 0, [2048, 100, 1, 1500], dtype=torch.bfloat16, seed=seed, prefill=2048)
     q = randn(4, 32, 128, dtype=torch.bfloat16, seed=seed + 1, device="cuda")
 
     def step(q, k, v, lengths):
@@ -219,4 +202,4 @@ def test_decode_under_torch_compile_fullgraph(seed):
     compiled = torch.compile(step, fullgraph=True)
     out = compiled(q, cache.k[0], cache.v[0], cache.lengths(0))
     torch.testing.assert_close(out, flash_decode(q, cache.k[0], cache.v[0], cache.lengths(0), num_splits=4))
-    check_decode(out, q, cache, 0)
+    kvh.check_decode(out, q, cache, 0)
