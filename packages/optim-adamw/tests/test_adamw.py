@@ -154,6 +154,26 @@ def test_adamw_param_groups_with_different_hyperparameters(kernel_device, seed):
 
 
 @pytest.mark.interpret
+def test_adamw_cleared_state_and_changed_grad_set_follow_torch(kernel_device, seed):
+    """step() caches its per-group launch lists: clearing the state, or a different set of
+    parameters having gradients, must be seen as torch.optim.AdamW sees it."""
+    ours = _params(SHAPES, torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(5):
+        _set_grads([ours, theirs], seed + step)
+        if step == 3:
+            ours[0].grad = theirs[0].grad = None
+        if step == 2:
+            opt.state.clear()
+            topt.state.clear()
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "param")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
 def test_adamw_state_dict_round_trips_with_torch_adamw(kernel_device, seed, direction):
     """A checkpoint of one optimizer resumes in the other and continues exactly as the first."""

@@ -69,10 +69,14 @@ class AdamW(torch.optim.Optimizer):
             "fused": fused,
             "decoupled_weight_decay": True,
         }
+        self._plans: dict[int, tuple] = {}
+        self._state_version = 0
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._plans = {}
+        self._state_version = getattr(self, "_state_version", 0) + 1
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -85,6 +89,7 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        self._plans = {}
         group = self.param_groups[-1]
         for i, p in enumerate(group["params"]):
             ops.check_param(p, f"AdamW: param_groups[{len(self.param_groups) - 1}]['params'][{i}]")
@@ -119,34 +124,61 @@ class AdamW(torch.optim.Optimizer):
             ops.check_hyperparameters(
                 lr, beta1, beta2, group["eps"], group["weight_decay"], name=f"AdamW: param_groups[{gi}]"
             )
-            by_device: dict[torch.device, list] = {}
-            for i, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                ops.check_grad(g, p, f"AdamW: param_groups[{gi}]['params'][{i}].grad")
-                if not (g.is_contiguous() and p.is_contiguous()) and g.stride() != p.stride():
-                    # the kernel walks param, grad and state in the same memory order
-                    g = torch.empty_like(p, dtype=g.dtype).copy_(g)
-                state = self._init_state(p, group)
-                by_device.setdefault(p.device, []).append((p, g, state))
-            for device, entries in by_device.items():
-                params = [e[0] for e in entries]
-                states = [e[2] for e in entries]
-                masters = None
-                if group["master_weights"] and any(p.dtype != torch.float32 for p in params):
-                    masters = [s.get("master_param") if p.dtype != torch.float32 else None
-                               for p, s in zip(params, states, strict=True)]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for device, (index, tensors) in self._plan(gi, group, params).items():
+                grads = []
+                for i in index:
+                    p = params[i]
+                    g = p.grad
+                    ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
+                    if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
+                        # the kernel walks param, grad and state in the same memory order
+                        g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                    grads.append(g)
                 lr_value, lr_tensor = ops._split_lr(lr, device)
                 ops.dispatch(
-                    params, [e[1] for e in entries], [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
-                    [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
-                    masters, [s["step"] for s in states],
+                    tensors["params"], grads, tensors["exp_avgs"], tensors["exp_avg_sqs"],
+                    tensors["max_exp_avg_sqs"], tensors["masters"], tensors["steps"],
                     step=1.0, lr=lr_value, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
                 )
         return loss
+
+    def _plan(self, gi: int, group: dict, params: list[torch.Tensor]) -> dict:
+        """Per device: positions in `params` and the state lists of one launch call.
+
+        Cached while the same parameters have gradients and nothing replaced the state (a
+        step() then does no per-parameter state lookups: the host cost of a step is what
+        keeps a small model's GPU waiting).
+        """
+        key = (
+            tuple(map(id, params)), group["amsgrad"], group["master_weights"], self._state_version,
+            id(self.state), len(self.state),  # state replaced or cleared by the caller
+        )
+        cached = self._plans.get(gi)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan: dict[torch.device, tuple[list[int], dict]] = {}
+        for i, p in enumerate(params):
+            state = self._init_state(p, group)
+            index, t = plan.setdefault(p.device, ([], {k: [] for k in (
+                "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps")}))
+            index.append(i)
+            t["params"].append(p)
+            t["exp_avgs"].append(state["exp_avg"])
+            t["exp_avg_sqs"].append(state["exp_avg_sq"])
+            t["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq"))
+            t["masters"].append(state.get("master_param") if p.dtype != torch.float32 else None)
+            t["steps"].append(state["step"])
+        for _, t in plan.values():
+            if not group["amsgrad"]:
+                t["max_exp_avg_sqs"] = None
+            if all(m is None for m in t["masters"]):
+                t["masters"] = None
+        self._plans[gi] = (key, plan)
+        return plan
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this class or of torch.optim.AdamW (any of its variants).
@@ -169,3 +201,5 @@ class AdamW(torch.optim.Optimizer):
             step = src["step"]
             step = step.detach().to(dtype=torch.float32) if torch.is_tensor(step) else torch.tensor(float(step))
             state["step"] = step.reshape(()).to(p.device, copy=True)
+        self._plans = {}
+        self._state_version += 1
