@@ -49,10 +49,7 @@ def _write_normalized(x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr,
     shift = _safe_shift(m)
     inv_s = tl.where(s > 0, 1.0 / s, 0.0)
     log_s = tl.log(s)
-    # Walk the chunks last to first: the end of the row was read last by the statistics pass,
-    # so it is the part most likely still in L2.
-    last = start + (tl.cdiv(end - start, BLOCK_N) - 1) * BLOCK_N
-    for off in range(last, start - 1, -BLOCK_N):
+    for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         x = tl.load(x_row_ptr + cols, mask=mask, other=NEG_INF).to(tl.float32)
@@ -88,15 +85,18 @@ def _softmax_fwd_rows_kernel(
 
 @triton.jit
 def _softmax_fwd_looped_kernel(
-    x_ptr, y_ptr, n_cols,
+    x_ptr, y_ptr, n_rows, n_cols,
     stride_x_row, stride_y_row,
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns per loop step
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row_ptr = x_ptr + row * stride_x_row
-    m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N)
-    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N)
+    # Persistent: the grid is sized (ops._plan) so that the rows in flight fit in half the L2,
+    # which is what lets the second pass over a row hit L2 instead of HBM.
+    # an int64 start makes the loop variable, and every row offset below, 64-bit
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        x_row_ptr = x_ptr + row * stride_x_row
+        m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N)
+        _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N)
 
 
 @triton.jit
@@ -167,9 +167,8 @@ def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
 
 @triton.jit
 def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx[start:end] from y, dy and the row's reduction `dot`; last chunk first (see above)."""
-    last = start + (tl.cdiv(end - start, BLOCK_N) - 1) * BLOCK_N
-    for off in range(last, start - 1, -BLOCK_N):
+    """dx[start:end] from y, dy and the row's reduction `dot`."""
+    for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         y = tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -202,16 +201,18 @@ def _softmax_bwd_rows_kernel(
 
 @triton.jit
 def _softmax_bwd_looped_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_cols,
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols,
     stride_y_row, stride_dy_row, stride_dx_row,
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    y_row_ptr = y_ptr + row * stride_y_row
-    dy_row_ptr = dy_ptr + row * stride_dy_row
-    dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N)
-    _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N)
+    # Persistent, like the forward's looped kernel: rows in flight sized to stay in L2.
+    # an int64 start makes the loop variable, and every row offset below, 64-bit
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        y_row_ptr = y_ptr + row * stride_y_row
+        dy_row_ptr = dy_ptr + row * stride_dy_row
+        dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N)
+        _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N)
 
 
 @triton.jit
