@@ -31,6 +31,8 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "LOOP_BLOCK_N", loop_block)
         monkeypatch.setattr(ops, "LOOP_NUM_WARPS", 2)
+        monkeypatch.setattr(ops, "WIDE_BLOCK_N", loop_block)
+        monkeypatch.setattr(ops, "WIDE_NUM_WARPS", 2)
 
     return shrink
 

@@ -6,8 +6,9 @@ Forward, one kernel per family:
   written on the way when HAS_RESIDUAL; rstd per row is saved for the backward.
 - `_layer_norm_fwd_kernel`: y = (x - mean) * rstd * w + b; mean and rstd saved.
 Each runs in one of two shapes (ONE_TILE): a row that fits in registers is read once, BLOCK_M
-rows per program; a longer row is looped over twice, one row per program (statistics, then
-output; the second read is served mostly from L2, as only one row per program is in flight).
+rows per program; a longer row is looped over twice (statistics, then output), one row at a
+time per program, the rows strided over a grid the launcher may cap at a few programs per SM
+so that the second read of the rows in flight is served from L2.
 
 Backward, two kernels per family:
 - `*_bwd_kernel`: a row fits in registers. A persistent grid (a few programs per SM) walks
@@ -79,12 +80,12 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_GATE: tl.constexpr,
     ONE_TILE: tl.constexpr,  # BLOCK_N >= n_cols: the row is held in registers, read once
-    BLOCK_M: tl.constexpr,  # rows per program (1 unless ONE_TILE)
+    BLOCK_M: tl.constexpr,  # rows per program (ONE_TILE only)
     BLOCK_N: tl.constexpr,  # columns per tile: next power of two >= n_cols, or the loop step
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
     if ONE_TILE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
@@ -92,27 +93,32 @@ def _rms_norm_fwd_kernel(
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
                           stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
-        # elementwise accumulation, one tree reduction at the end: better rounding than
-        # reducing each chunk to a scalar and adding scalars
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for off in range(0, n_cols, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
-                                stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
-            acc += x * x
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
-        for off in range(0, n_cols, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            # re-add x + residual rather than re-read the rounded u: the same float32 values
-            # as the one-tile path, so the result does not depend on the row length
-            x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
-                                stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False)
-            _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
-                              stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        # rows strided over the grid: the launcher may cap the grid at a few programs per SM so
+        # that the rows in flight (re-read by the second pass) fit in L2
+        for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            rows = (row + tl.arange(0, 1)).to(tl.int64)
+            # elementwise accumulation, one tree reduction at the end: better rounding than
+            # reducing each chunk to a scalar and adding scalars
+            acc = tl.zeros([1, BLOCK_N], tl.float32)
+            for off in range(0, n_cols, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = (cols < n_cols)[None, :]
+                x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
+                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
+                acc += x * x
+            rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+            for off in range(0, n_cols, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = (cols < n_cols)[None, :]
+                # re-add x + residual rather than re-read the rounded u: the same float32 values
+                # as the one-tile path, so the result does not depend on the row length
+                x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
+                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False)
+                _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
+                                  stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
+            tl.store(rstd_ptr + rows, rstd)
 
 
 @triton.jit
@@ -271,9 +277,9 @@ def _layer_norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
     if ONE_TILE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
@@ -286,33 +292,37 @@ def _layer_norm_fwd_kernel(
         rstd = tl.rsqrt(var + eps)
         _layer_norm_store_output(x, mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask, n_cols,
                                  stride_y_row, HAS_WEIGHT, HAS_BIAS)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
-        # one pass of chunk statistics merged with Chan et al.'s parallel Welford update:
-        # each chunk contributes its own mean and centred sum of squares (m2)
-        mean = tl.zeros([BLOCK_M], tl.float32)
-        m2 = tl.zeros([BLOCK_M], tl.float32)
-        for off in range(0, n_cols, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            n_seen = off * 1.0  # every earlier chunk was full
-            n_chunk = tl.minimum(n_cols - off, BLOCK_N) * 1.0
-            chunk_mean = tl.sum(x, axis=1) / n_chunk
-            xc = tl.where(mask, x - chunk_mean[:, None], 0.0)
-            delta = chunk_mean - mean
-            n_total = n_seen + n_chunk
-            mean += delta * (n_chunk / n_total)
-            m2 += tl.sum(xc * xc, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
-        rstd = tl.rsqrt(m2 / n_cols + eps)
-        for off in range(0, n_cols, BLOCK_N):
-            cols = off + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
-            _layer_norm_store_output(x.to(tl.float32), mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask,
-                                     n_cols, stride_y_row, HAS_WEIGHT, HAS_BIAS)
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            rows = (row + tl.arange(0, 1)).to(tl.int64)
+            # one pass of chunk statistics merged with Chan et al.'s parallel Welford update:
+            # each chunk contributes its own mean and centred sum of squares (m2)
+            mean = tl.zeros([1], tl.float32)
+            m2 = tl.zeros([1], tl.float32)
+            for off in range(0, n_cols, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = (cols < n_cols)[None, :]
+                x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+                x = x.to(tl.float32)
+                n_seen = off * 1.0  # every earlier chunk was full
+                n_chunk = tl.minimum(n_cols - off, BLOCK_N) * 1.0
+                chunk_mean = tl.sum(x, axis=1) / n_chunk
+                xc = tl.where(mask, x - chunk_mean[:, None], 0.0)
+                delta = chunk_mean - mean
+                n_total = n_seen + n_chunk
+                mean += delta * (n_chunk / n_total)
+                m2 += tl.sum(xc * xc, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
+            rstd = tl.rsqrt(m2 / n_cols + eps)
+            for off in range(0, n_cols, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = (cols < n_cols)[None, :]
+                x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+                _layer_norm_store_output(x.to(tl.float32), mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask,
+                                         n_cols, stride_y_row, HAS_WEIGHT, HAS_BIAS)
+            tl.store(mean_ptr + rows, mean)
+            tl.store(rstd_ptr + rows, rstd)
 
 
 @triton.jit

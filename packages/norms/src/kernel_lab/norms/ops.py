@@ -43,16 +43,35 @@ BWD_MAX_FUSED_COLS = 16384
 # Elements one program of a one-tile kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency.
 ROWS_TILE = 4096
-# Columns per loop step of the looped forward and the wide backward (8 KiB of bf16).
-LOOP_BLOCK_N = 4096
-LOOP_NUM_WARPS = 8
+# Columns per loop step (and warps) of the looped forward and of the wide backward.
+LOOP_BLOCK_N, LOOP_NUM_WARPS = 4096, 8
+WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
 # Resident warps a persistent backward program aims for per SM: 32 of the 64 an SM can hold,
 # enough to keep loads in flight while leaving registers for the 2D tiles.
 BWD_WARPS_PER_SM = 32
-# Programs per SM of the wide backward: each owns a contiguous block of rows.
-WIDE_PROGRAMS_PER_SM = 4
+# Programs per SM of the looped forward, whose second pass re-reads the rows in flight: at 2
+# per SM, 264 rows of 65536 bf16 (34 MB) are in flight on 132 SMs, within the L2. 0: one
+# program per row (all rows resident at once, so the second pass misses L2).
+LOOP_PROGRAMS_PER_SM = 2
+# Programs per SM of the wide backward; each owns a contiguous block of rows, read twice. Two
+# beat four and eight on an H200 at 1024 x 65536 bf16 (fewer rows in flight between the reads).
+WIDE_PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; a small stand-in still exercises several programs on the CPU.
 INTERPRET_SM_COUNT = 4
+
+
+def _launch(kernel, via_op: bool):
+    """The kernel launcher: `wrap_triton(kernel)` inside a torch.library op (so torch.compile
+    sees the kernel), the bare kernel on the eager path. Outside a triton_op's own eager call,
+    wrap_triton goes through the higher-order-op tracing machinery on every launch, which
+    costs about 0.1 ms of CPU time, longer than the kernel for most LLM shapes."""
+    return wrap_triton(kernel) if via_op else kernel
+
+
+def _looped_grid(n_rows: int, device: torch.device) -> int:
+    if LOOP_PROGRAMS_PER_SM <= 0:
+        return n_rows
+    return min(n_rows, _sm_count(device) * LOOP_PROGRAMS_PER_SM)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -69,9 +88,9 @@ class _Tile:
     num_warps: int
 
 
-def _tile(n_rows: int, n_cols: int, max_fused_cols: int) -> _Tile:
+def _tile(n_rows: int, n_cols: int, max_fused_cols: int, backward: bool = False) -> _Tile:
     if n_cols > max_fused_cols:
-        return _Tile(False, 1, LOOP_BLOCK_N, LOOP_NUM_WARPS)
+        return _Tile(False, 1, *((WIDE_BLOCK_N, WIDE_NUM_WARPS) if backward else (LOOP_BLOCK_N, LOOP_NUM_WARPS)))
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
     # about 16 elements per thread, 4 to 32 warps
@@ -105,6 +124,8 @@ def rms_norm_fwd(
     weight: torch.Tensor | None,
     eps: float,
     offset: float,
+    *,
+    via_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Launcher of the RMSNorm family. Returns (y, u, rstd): y like x; u = x + residual (None
     without residual); rstd of each row, float32 (x.numel() // hidden,). Assumes checked inputs.
@@ -130,7 +151,8 @@ def rms_norm_fwd(
     z2 = x2 if gate is None else _as_rows(gate)
     u2 = y2 if u is None else u.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    wrap_triton(_rms_norm_fwd_kernel)[(triton.cdiv(n_rows, t.block_m),)](
+    grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
+    _launch(_rms_norm_fwd_kernel, via_op)[grid](
         x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
         n_rows, n_cols, eps, offset,
         x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
@@ -149,6 +171,8 @@ def rms_norm_bwd(
     rstd: torch.Tensor,
     eps: float,
     offset: float,
+    *,
+    via_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward launcher of the RMSNorm family. xn: the normalized input (x, or u = x +
     residual); du: the gradient of u (residual variant, None if u was unused).
@@ -178,12 +202,12 @@ def rms_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
     strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
-    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS)
+    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
     sms = _sm_count(xn.device)
     if t.one_tile:
         n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
-        wrap_triton(_rms_norm_bwd_kernel)[(n_programs,)](
+        _launch(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
             n_rows, n_cols, offset, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
@@ -193,7 +217,7 @@ def rms_norm_bwd(
         n_programs = triton.cdiv(n_rows, rows_per_program)
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
-        wrap_triton(_rms_norm_bwd_wide_kernel)[(n_programs,)](
+        _launch(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial, dot,
             n_rows, n_cols, offset, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,
@@ -202,7 +226,7 @@ def rms_norm_bwd(
 
 
 def layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *, via_op: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of LayerNorm. Returns (y, mean, rstd); mean and rstd per row, float32."""
     n_cols = x.shape[-1]
@@ -221,7 +245,8 @@ def layer_norm_fwd(
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(n_rows, t.block_m),)](
+    grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
+    _launch(_layer_norm_fwd_kernel, via_op)[grid](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -238,6 +263,8 @@ def layer_norm_bwd(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     eps: float,
+    *,
+    via_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward launcher of LayerNorm: (dx, dweight, dbias); `bias` only says whether dbias is
     wanted (its values are not needed)."""
@@ -256,7 +283,7 @@ def layer_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
-    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS)
+    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
     sms = _sm_count(x.device)
     if t.one_tile:
         n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
@@ -266,14 +293,14 @@ def layer_norm_bwd(
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:
-        wrap_triton(_layer_norm_bwd_kernel)[(n_programs,)](
+        _launch(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
             n_rows, n_cols, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
         dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-        wrap_triton(_layer_norm_bwd_wide_kernel)[(n_programs,)](
+        _launch(_layer_norm_bwd_wide_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial, dot,
             n_rows, n_cols, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,
@@ -304,7 +331,7 @@ def _rms_norm_fwd_op(
     eps: float,
     offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, u, rstd = rms_norm_fwd(x, residual, gate, weight, eps, offset)
+    y, u, rstd = rms_norm_fwd(x, residual, gate, weight, eps, offset, via_op=True)
     return y, _or_empty(u, x), rstd
 
 
@@ -319,7 +346,7 @@ def _rms_norm_bwd_op(
     eps: float,
     offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dgate, dw = rms_norm_bwd(dy, du, xn, gate, weight, rstd, eps, offset)
+    dx, dgate, dw = rms_norm_bwd(dy, du, xn, gate, weight, rstd, eps, offset, via_op=True)
     return dx, _or_empty(dgate, xn), _or_empty(dw, xn)
 
 
@@ -345,7 +372,7 @@ _rms_norm_fwd_op.register_autograd(_rms_op_backward, setup_context=_rms_setup_co
 def _layer_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, weight, bias, eps)
+    return layer_norm_fwd(x, weight, bias, eps, via_op=True)
 
 
 @triton_op("kernel_lab::layer_norm_bwd", mutates_args=())
@@ -358,7 +385,7 @@ def _layer_norm_bwd_op(
     rstd: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps)
+    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps, via_op=True)
     return dx, _or_empty(dw, x), _or_empty(db, x)
 
 
