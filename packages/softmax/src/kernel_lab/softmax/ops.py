@@ -41,14 +41,15 @@ BWD_MAX_FUSED_COLS = 8192
 # Elements one program of the rows kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its launch and reduction latency.
 ROWS_TILE = 2048
-# Columns per loop step of the looped and split kernels, and their warps: the best of
-# {2048..16384} x {4, 8, 16} for 32k- and 128k-column bf16 rows on an H200.
+# Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
+# for 32k- to 128k-column bf16 rows on an H200 (the backward loads two rows per step: half).
 LOOP_BLOCK_N = 16384
+BWD_LOOP_BLOCK_N = 8192
 LOOP_NUM_WARPS = 16
-# Looped kernel: rows in flight (one per persistent program) are capped so they fit in this
-# share of the L2, so that each row's second read is an L2 hit.
-LOOPED_L2_FRACTION = 0.5
-LOOPED_MAX_PROGRAMS_PER_SM = 4
+# The split kernels: many short chunks, so smaller steps (best of the same sweep on 4 x 1M and
+# 32 x 128k bf16 inputs).
+SPLIT_BLOCK_N = 4096
+SPLIT_NUM_WARPS = 8
 # Programs per SM that the split path aims for when there are too few rows to fill the GPU.
 SPLIT_PROGRAMS_PER_SM = 4
 # The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
@@ -65,31 +66,22 @@ class _Plan:
     num_warps: int = 8
     n_splits: int = 1
     chunk: int = 0
-    n_programs: int = 0  # looped kernel: persistent programs
 
 
-def _plan(n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, row_bytes: int) -> _Plan:
-    """row_bytes: bytes the looped kernel reads per row (x; or y and dy in the backward)."""
+def _plan(n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int) -> _Plan:
     if n_cols <= max_fused_cols:
         block_n = triton.next_power_of_2(n_cols)
         block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
         # about 16 elements per thread, 4 to 32 warps
         num_warps = min(32, max(4, block_m * block_n // 512))
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
-    if device.type == "cuda":
-        info = runtime.device_info(device.index)
-        sm_count, l2_bytes = info.sm_count, info.l2_bytes
-    else:
-        sm_count, l2_bytes = INTERPRET_SM_COUNT, 0
-    n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, LOOP_BLOCK_N))
+    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, SPLIT_BLOCK_N))
     if n_splits <= 1:
-        # as many rows in flight as fit in LOOPED_L2_FRACTION of the L2, at least one per SM
-        in_l2 = int(l2_bytes * LOOPED_L2_FRACTION) // row_bytes
-        n_programs = min(n_rows, max(sm_count, min(in_l2, LOOPED_MAX_PROGRAMS_PER_SM * sm_count)))
-        return _Plan("looped", block_n=LOOP_BLOCK_N, num_warps=LOOP_NUM_WARPS, n_programs=n_programs)
-    chunk = triton.cdiv(triton.cdiv(n_cols, n_splits), LOOP_BLOCK_N) * LOOP_BLOCK_N
+        return _Plan("looped", block_n=loop_block_n, num_warps=LOOP_NUM_WARPS)
+    chunk = triton.cdiv(triton.cdiv(n_cols, n_splits), SPLIT_BLOCK_N) * SPLIT_BLOCK_N
     n_splits = triton.cdiv(n_cols, chunk)
-    return _Plan("split", block_n=LOOP_BLOCK_N, num_warps=LOOP_NUM_WARPS, n_splits=n_splits, chunk=chunk)
+    return _Plan("split", block_n=SPLIT_BLOCK_N, num_warps=SPLIT_NUM_WARPS, n_splits=n_splits, chunk=chunk)
 
 
 def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -132,15 +124,15 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, n_cols * x2.element_size())
+    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N)
     if plan.kind == "rows":
         _kernel(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        _kernel(_softmax_fwd_looped_kernel, traceable)[(plan.n_programs,)](
-            x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
+        _kernel(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
+            x2, y2, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     else:
@@ -169,15 +161,15 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     dx2 = torch.empty((n_rows, n_cols), dtype=dy.dtype, device=dy.device)
     if dx2.numel() == 0:
         return _from_rows(dx2, dy, dim)
-    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, n_cols * (y2.element_size() + dy2.element_size()))
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N)
     if plan.kind == "rows":
         _kernel(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        _kernel(_softmax_bwd_looped_kernel, traceable)[(plan.n_programs,)](
-            y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+        _kernel(_softmax_bwd_looped_kernel, traceable)[(n_rows,)](
+            y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     else:
