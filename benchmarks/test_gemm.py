@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lab import gemm
+from kernel_lab.gemm.ops import matmul_fwd
 from kernel_lab.shared import bench, reference, runtime
 
 pytestmark = pytest.mark.gpu
@@ -88,20 +89,27 @@ def _role(impl: str) -> str:
 # --- prefill -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["torch", "kernel_lab"])
+@pytest.mark.parametrize("impl", ["torch", "kernel_lab", "kernel_lab-notma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", PREFILL, ids=[f"M{m}-N{n}-K{k}" for m, n, k in PREFILL])
 def test_gemm_prefill(benchmark, shape, dtype, impl):
+    """kernel_lab: the public op (the TMA persistent kernel on Hopper); kernel_lab-notma: the
+    pointer-load kernel that runs elsewhere, through its launcher."""
     m, n, k = shape
     benchmark.group = f"gemm prefill M{m} N{n} K{k} {DTYPE_NAMES[dtype]}"
     x = _rand(m, k, dtype=dtype, seed=m + k)
     w = _rand(n, k, dtype=dtype, seed=n + k, scale=k**-0.5)  # nn.Linear layout, b = w.t()
-    fn = (lambda: x @ w.t()) if impl == "torch" else (lambda: gemm.matmul(x, w.t()))
+    fn = {
+        "torch": lambda: x @ w.t(),
+        "kernel_lab": lambda: gemm.matmul(x, w.t()),
+        "kernel_lab-notma": lambda: matmul_fwd(x, w.t(), None, "none", dtype, allow_tma=False),
+    }[impl]
     err = _max_error(fn(), reference.matmul(x[:ERROR_ROWS], w.t()))
     bench.run_cuda(benchmark, fn, rounds=10)
     bench.annotate(
         benchmark, impl=impl, role=_role(impl), bytes_moved=(m * k + n * k + m * n) * 2,
         flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
+        tma=impl == "kernel_lab" and gemm.ops.USE_TMA,
     )
 
 
@@ -180,7 +188,7 @@ FP8_CASES = [(8192, 8192, 8192, "tensor"), (4096, 14336, 4096, "tensor"), (4096,
              (16, 14336, 4096, "tensor")]  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", ["torch", "kernel_lab"])
+@pytest.mark.parametrize("impl", ["torch", "kernel_lab", "kernel_lab-notma"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"M{m}-N{n}-K{k}-{g}" for m, n, k, g in FP8_CASES])
 def test_gemm_fp8(benchmark, case, impl):
     m, n, k, granularity = case
@@ -196,10 +204,16 @@ def test_gemm_fp8(benchmark, case, impl):
 
         def fn():
             return torch._scaled_mm(xq, wq.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16)
-    else:
+    elif impl == "kernel_lab":
 
         def fn():
             return gemm.fp8_matmul(xq, wq.t(), sx, sw)
+    else:
+        sx2 = sx.reshape(-1, 1) if sx.numel() > 1 else sx.reshape(1)
+        sw2 = sw.reshape(1, -1) if sw.numel() > 1 else sw.reshape(1)
+
+        def fn():
+            return matmul_fwd(xq, wq.t(), None, "none", torch.bfloat16, sx2, sw2, allow_tma=False)
 
     ref = reference.fp8_matmul(xq[:ERROR_ROWS], wq.t(), sx[:ERROR_ROWS] if granularity == "row" else sx, sw)
     err = _max_error(fn(), ref)

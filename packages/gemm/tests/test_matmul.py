@@ -191,16 +191,14 @@ def test_matmul_backward_matches_reference(kernel_device, seed, activation, m):
 
 # --- gpu tier: LLM shapes, bf16, autotune, fp8, torch.compile ----------------------------------
 
-LLAMA_NK = [(4096, 4096), (14336, 4096), (4096, 14336)]
+GPU_SHAPES = [(1, 4096, 4096), (16, 14336, 4096), (64, 4096, 14336), (333, 6144, 4096), (4096, 4096, 4096),
+              (2048, 14336, 4096)]  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 16, 64, 333, 4096])
-@pytest.mark.parametrize("n,k", LLAMA_NK)
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_matmul_llama_shapes_match_reference(seed, dtype, m, n, k):
-    if m == 4096 and k == 14336:
-        pytest.skip("covered by the 4096x4096 and 14336x4096 cases; keeps the GPU tier short")
     a, b = make_operands(m, n, k, dtype, "cuda", seed, "row", "col")
     check(matmul(a, b), a, b)
 
@@ -263,3 +261,20 @@ def test_fp8_matmul_torch_compile_fullgraph(seed):
     wq, sw = quantize_fp8(testing.randn(256, 512, device="cuda", seed=seed + 1))
     out = torch.compile(fp8_matmul, fullgraph=True)(xq, wq.t(), sx, sw)
     torch.testing.assert_close(out, fp8_matmul(xq, wq.t(), sx, sw), rtol=0, atol=0)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m,n,k", [(70, 48, 40), (33, 40, 64)])
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_tma_persistent_kernel_matches_reference(kernel_device, seed, m, n, k, b_layout):
+    """The Hopper TMA path, called directly (matmul() takes it only on capability 9 GPUs)."""
+    if ops.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    if kernel_device == "cuda" and runtime.device_info().capability[0] != 9:
+        pytest.skip("TMA kernel is built for Hopper")
+    a, b = make_operands(m, n, k, torch.float16, kernel_device, seed, "row", b_layout)
+    bias = testing.randn(n, dtype=torch.float16, device=kernel_device, seed=seed + 2)
+    c = testing.poisoned(m, n, dtype=torch.float16, device=kernel_device)
+    common = dict(HAS_BIAS=True, HAS_SCALE=False, ACTIVATION="silu")
+    ops._matmul_tma(a, b, c, bias, c, c, 0, 0, common)
+    check(c, a, b, bias, "silu")

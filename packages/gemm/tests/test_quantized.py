@@ -172,8 +172,7 @@ def test_patch_hf_replaces_linears(kernel_device, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,group_size", [(8, None), (8, 128), (4, 128)])
-@pytest.mark.parametrize("m", [1, 16, 300])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096)])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 14336, 4096), (300, 4096, 4096)])
 def test_quantized_matmul_llama_shapes(seed, bits, group_size, m, n, k):
     x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed)
     w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 1, scale=k**-0.5)

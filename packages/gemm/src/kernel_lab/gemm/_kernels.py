@@ -40,12 +40,11 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_store(
-    acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-    bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, rstd,
+def _epilogue_math(
+    acc, offs_m, offs_n, M, N, bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, rstd,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RSTD: tl.constexpr, ACTIVATION: tl.constexpr,
 ):
-    """c = act(acc * rstd * scale_a * scale_b + bias), cast to c's dtype, masked store."""
+    """act(acc * rstd * scale_a * scale_b + bias) on a float32 tile."""
     mask_m = offs_m < M
     mask_n = offs_n < N
     if HAS_RSTD:
@@ -56,25 +55,42 @@ def _epilogue_store(
         acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    acc = _activation(acc, ACTIVATION)
+    return _activation(acc, ACTIVATION)
+
+
+@triton.jit
+def _epilogue_store(
+    acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+    bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, rstd,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RSTD: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """c = act(acc * rstd * scale_a * scale_b + bias), cast to c's dtype, masked store."""
+    acc = _epilogue_math(
+        acc, offs_m, offs_n, M, N, bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, rstd,
+        HAS_BIAS, HAS_SCALE, HAS_RSTD, ACTIVATION,
+    )
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile `tile_id` in grouped order: GROUP_M row tiles walk the N
+    tiles together so that the B tiles they share are still in L2 when the next row tile needs
+    them."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
 
 @triton.jit
 def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program in grouped order: GROUP_M row tiles walk the N tiles
-    together so that the B tiles they share are still in L2 when the next row tile needs them."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+    """(pid_m, pid_n) of this program (one program per output tile, grouped order)."""
+    return _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
 # do_not_specialize: M and the split size change from call to call (every batch size); Triton
@@ -312,6 +328,65 @@ def _rms_norm_linear_kernel(
             tl.store(ssq_ptr + pid_k * stride_ssq + offs_m, ssq, mask=offs_m < M)
 
 
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
+def _matmul_tma_persistent_kernel(
+    a_desc, b_desc, c_desc,  # host TensorDescriptors: a (M, K), b (N, K) if B_KMAJOR else (K, N), c (M, N)
+    bias_ptr, scale_a_ptr, scale_b_ptr,
+    M, N, K,
+    M_BUCKET,  # autotune key only
+    stride_sa, stride_sb,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+    B_KMAJOR: tl.constexpr,  # b is a transposed view of an (N, K) row-major weight (nn.Linear)
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,  # store the tile as two halves: less shared memory, one more stage
+):
+    """Hopper: the same product as `_matmul_kernel` with tensor-memory-accelerator (TMA) loads and
+    stores and a persistent grid (one program per SM walking the output tiles), so the
+    next tile's loads overlap this tile's epilogue and no launch is paid per tile. TMA zero-fills
+    out-of-bounds reads and clips out-of-bounds writes: no masks anywhere."""
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    # A second tile counter for the epilogue (as in Triton's persistent tutorial), so that the
+    # pipeliner does not carry one value from the prologue to the epilogue.
+    tile_id_c = start_pid - NUM_SMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if HAS_SCALE:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # see _matmul_kernel
+            else:
+                acc = tl.dot(a, b, acc)
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _grouped_tile(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _epilogue_math(
+            acc, offs_m, offs_n, M, N, bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, acc,
+            HAS_BIAS, HAS_SCALE, False, ACTIVATION,
+        )
+        out = acc.to(c_desc.dtype)
+        if EPILOGUE_SUBTILE:
+            halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            c0, c1 = tl.split(halves)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c0)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], c1)
+        else:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
+
+
 # Autotune configs. Prefill (M > 64): the large-tile configs that keep Hopper's / Ampere's
 # tensor cores fed (128x256x64 over 8 warps is the usual best on H100 for bf16; the others
 # cover narrower N, short K and L2-bound shapes). Each config compiles once per dtype: the list
@@ -364,6 +439,49 @@ SKINNY_CONFIGS = [
 ]
 SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT"]
 
+# Weight-only decode: the launcher fixes every block size (BLOCK_K must divide the group).
+QUANT_SKINNY_CONFIGS = [
+    triton.Config({}, num_stages=stages, num_warps=warps) for warps in (4, 8) for stages in (3, 5)
+]
+_quantized_matmul_kernel_skinny = _autotuned(
+    _quantized_matmul_kernel, QUANT_SKINNY_CONFIGS, [*SKINNY_KEY, "BITS", "HAS_ZEROS"]
+)
 _matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
 _rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
 _rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])
+
+
+# TMA persistent (Hopper). The descriptors' block shapes follow the config: the pre-hook sets them
+# before every launch (and every autotuning trial).
+def _tma_block_shapes(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_KMAJOR"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
+
+
+def _tma_cfg(bm, bn, bk, stages, warps, subtile):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": subtile},
+        num_stages=stages, num_warps=warps, pre_hook=_tma_block_shapes,
+    )
+
+
+# 128x256 tiles over two consumer warpgroups (8 warps) is the shape cuBLAS picks on H100/H200 for
+# large bf16 GEMMs; the sub-tiled epilogue frees the shared memory for a 4th stage.
+TMA_CONFIGS = [
+    _tma_cfg(128, 256, 64, 3, 8, True),
+    _tma_cfg(128, 256, 64, 4, 8, True),
+    _tma_cfg(256, 128, 64, 3, 8, True),
+    _tma_cfg(128, 128, 64, 4, 8, False),
+    _tma_cfg(128, 128, 64, 5, 4, False),
+]
+FP8_TMA_CONFIGS = [
+    _tma_cfg(128, 256, 128, 3, 8, True),
+    _tma_cfg(128, 256, 128, 4, 8, True),
+    _tma_cfg(128, 128, 128, 4, 8, False),
+    _tma_cfg(256, 128, 128, 3, 8, True),
+]
+TMA_KEY = ["M_BUCKET", "N", "K", "B_KMAJOR", "HAS_SCALE"]
+_matmul_tma_kernel = _autotuned(_matmul_tma_persistent_kernel, TMA_CONFIGS, TMA_KEY)
+_matmul_tma_kernel_fp8 = _autotuned(_matmul_tma_persistent_kernel, FP8_TMA_CONFIGS, TMA_KEY)

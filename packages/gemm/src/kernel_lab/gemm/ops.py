@@ -21,6 +21,8 @@ Two paths per GEMM:
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +35,16 @@ from ._kernels import (
     _matmul_kernel_fp8_prefill,
     _matmul_kernel_prefill,
     _matmul_kernel_skinny,
+    _matmul_tma_kernel,
+    _matmul_tma_kernel_fp8,
+    _matmul_tma_persistent_kernel,
     _quantized_matmul_kernel,
+    _quantized_matmul_kernel_skinny,
     _rms_norm_linear_kernel,
     _rms_norm_linear_kernel_prefill,
     _rms_norm_linear_kernel_skinny,
     _splitk_reduce_kernel,
+    _tma_block_shapes,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -70,6 +77,16 @@ INTERPRET_BLOCK = 32
 INTERPRET_SM_COUNT = 4
 
 REDUCE_BLOCK_N = 128
+
+# Hopper path: TMA loads/stores and a persistent grid (see _matmul_tma_persistent_kernel) for
+# prefill shapes whose layouts TMA can address. KERNEL_LAB_GEMM_TMA=0 turns it off (the pointer
+# kernel then runs everywhere). Host-side tensor descriptors arrived in triton 3.4; older
+# tritons simply do not get this path.
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton < 3.4
+    TensorDescriptor = None
+USE_TMA = os.environ.get("KERNEL_LAB_GEMM_TMA", "1") != "0" and TensorDescriptor is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,11 +122,13 @@ class _SkinnyPlan:
         return (_cdiv(m, self.block_m) * _cdiv(n, self.block_n), self.split_k)
 
 
-def _skinny_plan(m: int, n: int, k: int, weight_bytes: int, device: torch.device, k_align: int) -> _SkinnyPlan:
-    """BLOCK_M covering M, fixed BLOCK_N, and the K split that fills the GPU (see constants)."""
+def _skinny_plan(
+    m: int, n: int, k: int, weight_bytes: int, device: torch.device, k_align: int, block_n: int = SKINNY_BLOCK_N
+) -> _SkinnyPlan:
+    """BLOCK_M covering M, BLOCK_N, and the K split that fills the GPU (see constants)."""
     interpret = device.type != "cuda"
     block_m = max(16, _next_pow2(m))
-    block_n = INTERPRET_BLOCK if interpret else SKINNY_BLOCK_N
+    block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     split = _cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
     partial_bytes_per_split = 2 * m * n * 4
@@ -137,6 +156,68 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
     )
 
 
+def _tma_layout(t: torch.Tensor) -> str | None:
+    """"row" / "col" when TMA can address the 2-D tensor t (unit stride along one dim, the other
+    stride and the base 16-byte aligned), else None."""
+    if t.data_ptr() % 16:
+        return None
+    esize = t.element_size()
+    if t.stride(1) == 1 and (t.stride(0) * esize) % 16 == 0:
+        return "row"
+    if t.stride(0) == 1 and (t.stride(1) * esize) % 16 == 0:
+        return "col"
+    return None
+
+
+def _use_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    return (
+        USE_TMA
+        and runtime.device_info(a.device.index).capability[0] == 9
+        and _tma_layout(a) == "row"
+        and _tma_layout(b) is not None
+        and _tma_layout(c) == "row"
+    )
+
+
+def _disable_tma(error: Exception) -> None:
+    global USE_TMA
+    USE_TMA = False
+    warnings.warn(
+        f"kernel_lab.gemm: the TMA kernel failed ({type(error).__name__}: {error}); the pointer kernel runs "
+        "from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None:
+    """Launch the persistent TMA kernel (a row-major, b either layout, c row-major)."""
+    m, k = a.shape
+    n = b.shape[1]
+    b_kmajor = _tma_layout(b) == "col"
+    placeholder = [16, 16]  # replaced per config by the autotuner's pre-hook
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], placeholder)
+    if b_kmajor:  # b = w.t() of a row-major (N, K) weight: describe w itself
+        b_desc = TensorDescriptor(b, [n, k], [b.stride(1), 1], placeholder)
+    else:
+        b_desc = TensorDescriptor(b, [k, n], [b.stride(0), 1], placeholder)
+    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], placeholder)
+    sms = _sm_count(a.device)
+    args = (a_desc, b_desc, c_desc, bias_arg, sa, sb, m, n, k, _m_bucket(m), stride_sa, stride_sb)
+    if a.device.type != "cuda":  # the interpreter (tests): one small config, no autotuning
+        meta = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True)
+        _tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "B_KMAJOR": b_kmajor, **meta})
+        grid = (min(sms, _cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK)),)
+        _matmul_tma_persistent_kernel[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **meta, **common)
+        return
+    kernel = _matmul_tma_kernel_fp8 if common["HAS_SCALE"] else _matmul_tma_kernel
+
+    def grid(meta):
+        return (min(sms, _cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"])),)
+
+    kernel[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **common)
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers (inputs already checked; a 2-D)
 
@@ -149,11 +230,14 @@ def matmul_fwd(
     out_dtype: torch.dtype,
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
+    allow_tma: bool = True,
 ) -> torch.Tensor:
     """Launcher: act((a @ b) * scale_a * scale_b + bias) -> (M, N) of out_dtype.
 
     a: (M, K), b: (K, N), any strides; scale_a: one element or (M, 1); scale_b: one element or
-    (1, N) (fp8 only).
+    (1, N) (fp8 only). allow_tma: on Hopper, prefill shapes with TMA-compatible layouts run the
+    persistent TMA kernel (host tensor descriptors: eager mode only; the torch.library op
+    passes False).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -201,6 +285,12 @@ def matmul_fwd(
             GROUP_M=2, **common,
         )
         return c
+    if allow_tma and _use_tma(a, b, c):
+        try:
+            _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common)
+            return c
+        except Exception as e:  # a triton / driver that cannot build it: fall back, once and for good
+            _disable_tma(e)
     kernel = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
 
     def grid(meta):
@@ -238,24 +328,28 @@ def quantized_matmul_fwd(
     else:
         # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
         block_k = min(128, group_size & -group_size) if grouped else 128
+    kernel = _quantized_matmul_kernel
     if m <= SKINNY_MAX_M:
-        plan = _skinny_plan(m, n, k, qdata.numel(), x.device, block_k)
+        # int4 tiles are twice as wide as int8 ones so that each pipeline stage still moves 8 KiB
+        # of weight (128 x 64 int8 codes, 64 x 128 int4 bytes).
+        plan = _skinny_plan(m, n, k, qdata.numel(), x.device, block_k, block_n=128 if bits == 4 else 64)
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
-        num_warps, num_stages = 4, 4
+        launch = {}
+        if not interpret:  # warps and stages autotuned
+            kernel = _quantized_matmul_kernel_skinny
     else:
         block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
         split_k, k_per_split = 1, k
-        num_warps, num_stages = 8, 3
+        launch = {} if interpret else dict(num_warps=8, num_stages=3)
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(m, block_m) * _cdiv(n, block_n), split_k)
-    wrap_triton(_quantized_matmul_kernel)[grid](
+    wrap_triton(kernel)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
         m, n, k, _m_bucket(m),
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
         ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, **launch,
     )
     if split_k > 1:
         _reduce(ws, c, bias=bias)
@@ -341,7 +435,7 @@ def matmul_bwd(
 def _matmul_op(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    return matmul_fwd(a, b, bias, activation, out_dtype)
+    return matmul_fwd(a, b, bias, activation, out_dtype, allow_tma=False)
 
 
 @triton_op("kernel_lab::gemm_fp8_matmul", mutates_args=())
@@ -353,7 +447,7 @@ def _fp8_matmul_op(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b)
+    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b, allow_tma=False)
 
 
 @triton_op("kernel_lab::gemm_quantized_matmul", mutates_args=())
