@@ -167,10 +167,27 @@ class _CacheBase:
     def _num_rows(self) -> int:
         raise NotImplementedError
 
+    def _layer_args(self, layer: int, block_table: torch.Tensor | None) -> dict:
+        """flash_decode's cache arguments of `layer`, built once: indexing tensors costs
+        microseconds per view, and a decode step at small batch is launch-bound."""
+        if not hasattr(self, "_args_cache"):
+            self._args_cache = {}
+        args = self._args_cache.get(layer)
+        if args is None:
+            args = {
+                "k_cache": self.k[layer], "v_cache": self.v[layer], "lengths": self._lengths[layer],
+                "block_table": block_table,
+                "k_scale": self.k_scale[layer] if self.is_fp8 else None,
+                "v_scale": self.v_scale[layer] if self.is_fp8 else None,
+            }
+            self._args_cache[layer] = args
+        return args
+
     def _max_len(self, layer: int, rows: list[int] | None, bsz: int) -> int:
         host = self._host_lengths[layer]
-        sel = rows if rows is not None else range(bsz)
-        return max((host[r] for r in sel), default=0)
+        if rows is None:
+            return max(host[:bsz], default=0)
+        return max((host[r] for r in rows), default=0)
 
 
 class KVCache(_CacheBase):
@@ -236,7 +253,7 @@ class KVCache(_CacheBase):
                 host[r] = 0
 
     def _decode_inputs(self, layer: int) -> dict:
-        return {"k_cache": self.k[layer], "v_cache": self.v[layer], "block_table": None}
+        return self._layer_args(layer, None)
 
 
 class PagedKVCache(_CacheBase):
@@ -359,7 +376,7 @@ class PagedKVCache(_CacheBase):
         self._commit_append(layer, k, v, rows, counts, rows_list, counts_list, block_table=self.block_table)
 
     def _decode_inputs(self, layer: int) -> dict:
-        return {"k_cache": self.k[layer], "v_cache": self.v[layer], "block_table": self.block_table}
+        return self._layer_args(layer, self.block_table)
 
 
 def decode_attention(
@@ -389,8 +406,6 @@ def decode_attention(
             cache._check_live(r)
     seq_t = torch.tensor(rows, dtype=torch.int32).to(cache.device) if rows is not None else None
     return flash_decode(
-        q, **cache._decode_inputs(layer), lengths=cache._lengths[layer], seq_ids=seq_t,
-        k_scale=cache.k_scale[layer] if cache.is_fp8 else None,
-        v_scale=cache.v_scale[layer] if cache.is_fp8 else None,
-        scale=scale, num_splits=num_splits, max_len=cache._max_len(layer, rows, q.shape[0]),
+        q, **cache._decode_inputs(layer), seq_ids=seq_t, scale=scale, num_splits=num_splits,
+        max_len=cache._max_len(layer, rows, q.shape[0]),
     )

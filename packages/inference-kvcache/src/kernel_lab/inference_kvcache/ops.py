@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from torch.library import triton_op, wrap_triton
 
 from kernel_lab.shared import reference, runtime
@@ -38,6 +37,17 @@ MAX_SPLITS = 128
 INTERPRET_SM_COUNT = 4
 
 LOG2E = 1.4426950408889634
+
+
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are @jit functions whose
+# call costs microseconds each: on a decode step that is launch-bound that adds up.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------------
@@ -198,7 +208,7 @@ def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, bloc
         t_new, h_kv, d,
         PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1],
         HAS_SEQ_IDS=seq_ids is not None, HAS_COUNTS=counts is not None, QUANT=k_scale is not None,
-        BLOCK_H=triton.next_power_of_2(h_kv), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=_pow2(h_kv), BLOCK_D=_pow2(d),
         num_warps=4,
     )
 
@@ -223,8 +233,8 @@ def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: to
 
 def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
     rows = group * t_q
-    block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, triton.next_power_of_2(rows)))
-    return block_m, triton.cdiv(rows, block_m)
+    block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, _pow2(rows)))
+    return block_m, _cdiv(rows, block_m)
 
 
 def flash_decode(
@@ -292,21 +302,22 @@ def flash_decode(
         max_len = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    lengths = lengths.to(torch.int32)
-    seq_ids = seq_ids.to(torch.int32) if seq_ids is not None else None
-    block_table = block_table.to(torch.int32) if block_table is not None else None
-    q4 = q if q.dim() == 4 else q.unsqueeze(1)
+    # The kernels read int32 indices (no copy when they already are).
+    if lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32)
+    if seq_ids is not None and seq_ids.dtype != torch.int32:
+        seq_ids = seq_ids.to(torch.int32)
+    if block_table is not None and block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
     if num_splits is None:
-        _, m_tiles = _m_tiling(h_q // h_kv, q4.shape[1])
+        _, m_tiles = _m_tiling(h_q // h_kv, q.shape[1] if q.dim() == 4 else 1)
         num_splits = num_splits_for(q.shape[0], h_kv, m_tiles, max_len, q.device)
     if torch.compiler.is_compiling():
-        out = torch.ops.kernel_lab.kvcache_decode(
-            q4, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, float(scale), num_splits
+        return torch.ops.kernel_lab.kvcache_decode(
+            q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, float(scale), num_splits
         )
-    else:
-        out = flash_decode_fwd(q4, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
-                               float(scale), num_splits)
-    return out if q.dim() == 4 else out.squeeze(1)
+    return flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
+                            float(scale), num_splits)
 
 
 def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale):
@@ -325,13 +336,20 @@ def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, 
 
 def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
                      scale: float, num_splits: int) -> torch.Tensor:
-    """Launcher of decode attention (inputs checked, q 4-D, index tensors int32)."""
-    bsz, t_q, h_q, d = q.shape
+    """Launcher of decode attention (inputs checked, index tensors int32). Output: q's shape."""
     if runtime.backend(q) == "reference":
         return _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    # A 3-D q is one token per sequence: T_q = 1 and a zero token stride, no reshape needed.
+    if q.dim() == 4:
+        bsz, t_q, h_q, d = q.shape
+        q_strides, out_strides = q.stride(), out.stride()
+    else:
+        (bsz, h_q, d), t_q = q.shape, 1
+        q_strides = (q.stride(0), 0, q.stride(1), q.stride(2))
+        out_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
     block_m, m_tiles = _m_tiling(group, t_q)
@@ -349,7 +367,7 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
     work_bucket = int(math.log2(max(1, bsz * h_kv * m_tiles * num_splits)))
     grid = (bsz * h_kv * m_tiles, num_splits)
     wrap_triton(_decode_split_kernel)[grid](
-        q, *q.stride(),
+        q, *q_strides,
         k_cache, v_cache, *k_cache.stride(),
         lengths,
         seq_ids if seq_ids is not None else dummy,
@@ -357,20 +375,20 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
         block_table.stride(0) if block_table is not None else 0,
         k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy,
-        out, *out.stride(),
+        out, *out_strides,
         o_part, lse_part,
         scale * LOG2E,
         h_kv, t_q, group, m_tiles, num_splits,
         len_bucket, work_bucket,
-        HEAD_DIM=d, BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)), BLOCK_M=block_m,
+        HEAD_DIM=d, BLOCK_D=max(MIN_DOT_DIM, _pow2(d)), BLOCK_M=block_m,
         PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1], HAS_SEQ_IDS=seq_ids is not None,
         QUANT=k_scale is not None, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if split:
         wrap_triton(_decode_merge_kernel)[(bsz * h_q * t_q,)](
-            o_part, lse_part, out, *out.stride(), h_q, t_q, num_splits,
-            HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(num_splits),
+            o_part, lse_part, out, *out_strides, h_q, t_q, num_splits,
+            HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_S=_pow2(num_splits),
             num_warps=4,
         )
     return out
