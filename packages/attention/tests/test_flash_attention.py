@@ -326,12 +326,14 @@ def _check_compiled_matches_eager(device, seed, compile_backend):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = fn(*leaves)
     grads = torch.autograd.grad(out, leaves, do)
-    eager_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    eager = flash_attention(*eager_leaves, causal=True)
-    eager_grads = torch.autograd.grad(eager, eager_leaves, do)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
-    for g, e in zip(grads, eager_grads, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # Against the reference with the usual budget (not bit-equality with eager: inductor may
+    # lay out its buffers differently).
+    ref = reference.attention(q, k, v, causal=True)
+    base, _, base_grads = _baseline(q, k, v, do, causal=True, window=None)
+    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR, name="compiled out")
+    ref_grads = reference.attention_backward(q, k, v, do, causal=True)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+        testing.assert_close_to_reference(g, r, b, factor=BWD_FACTOR, name=f"compiled {name}")
 
 
 def test_compile_fullgraph_reference_backend_has_no_graph_break(monkeypatch, seed):

@@ -420,27 +420,8 @@ def _attn_bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Rotary embedding: one program per (batch, position) rotates every q head and every k head
+# Rotary embedding: one program per (BLOCK_T positions, batch, head) of q or k, in one launch
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rope_rotate(x_row, out_row, n_heads, stride_h, stride_oh, cos, sin_own, sin_partner, sign,
-                 offs_d, partner, BACKWARD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(x_row + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    # The partner element (x[j + R/2] / x[j ^ 1]) is a second, cached read of the same row.
-    xp = tl.load(x_row + offs_h[:, None] * stride_h + partner[None, :], mask=mask & (offs_d[None, :] < ROTARY_DIM),
-                 other=0.0).to(tl.float32)
-    if BACKWARD:
-        # d/dx of x*cos + sign*x[p]*sin is dy*cos - sign*dy[p]*sin[p] (the rotation is antisymmetric).
-        y = x * cos[None, :] - sign[None, :] * xp * sin_partner[None, :]
-    else:
-        y = x * cos[None, :] + sign[None, :] * xp * sin_own[None, :]
-    y = tl.where(offs_d[None, :] < ROTARY_DIM, y, x)
-    tl.store(out_row + offs_h[:, None] * stride_oh + offs_d[None, :], y.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seqlen"])
@@ -454,33 +435,63 @@ def _rope_kernel(
     stride_cb, stride_ct,  # cos/sin: (B or 1, T, R) by position, or the (max_pos, R) table
     stride_pb, stride_pt,  # position_ids (B, T)
     HAS_POSITION_IDS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    COPY_TAIL: tl.constexpr,  # write dims R..D too (not in place and R < D)
+    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seqlen
-    t = pid % seqlen
-    if HAS_POSITION_IDS:
-        pos = tl.load(POS + b * stride_pb + t * stride_pt).to(tl.int64)
-        cs_off = pos * stride_ct
+    """Each rotated pair (x1, x2) is (x[j], x[j + R/2]) (rotate_half) or (x[2j], x[2j + 1])
+    (interleaved); both halves are loaded once, as two tiles, so nothing is read twice:
+        forward  y1 = x1 c1 - x2 s1,   y2 = x2 c2 + x1 s2
+        backward the transposed rotation: dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1."""
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    n_heads = n_q_heads + n_k_heads
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = pid_bh % n_heads
+    # One launch for both tensors: the head index picks q (first n_q_heads) or k.
+    if h < n_q_heads:
+        x_base = Q + b * stride_qb + h.to(tl.int64) * stride_qh
+        o_base = QO + b * stride_qob + h.to(tl.int64) * stride_qoh
+        stride_xt = stride_qt
+        stride_ot = stride_qot
     else:
-        cs_off = b * stride_cb + t * stride_ct
-    offs_d = tl.arange(0, BLOCK_D)
-    rot = offs_d < ROTARY_DIM
+        x_base = K + b * stride_kb + (h - n_q_heads).to(tl.int64) * stride_kh
+        o_base = KO + b * stride_kob + (h - n_q_heads).to(tl.int64) * stride_koh
+        stride_xt = stride_kt
+        stride_ot = stride_kot
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < seqlen
+    offs_j = tl.arange(0, BLOCK_HALF)
     if INTERLEAVED:
-        partner = offs_d ^ 1
-        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        idx1 = 2 * offs_j
+        idx2 = 2 * offs_j + 1
     else:
-        half: tl.constexpr = ROTARY_DIM // 2
-        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-        sign = tl.where(offs_d < half, -1.0, 1.0)
-    partner = tl.where(rot, partner, offs_d)
-    cos = tl.load(COS + cs_off + offs_d, mask=rot, other=1.0).to(tl.float32)
-    sin_own = tl.load(SIN + cs_off + offs_d, mask=rot, other=0.0).to(tl.float32)
-    sin_partner = tl.load(SIN + cs_off + partner, mask=rot, other=0.0).to(tl.float32)
-    _rope_rotate(Q + b * stride_qb + t * stride_qt, QO + b * stride_qob + t * stride_qot, n_q_heads,
-                 stride_qh, stride_qoh, cos, sin_own, sin_partner, sign, offs_d, partner,
-                 BACKWARD, HEAD_DIM, ROTARY_DIM, BLOCK_HQ, BLOCK_D)
-    _rope_rotate(K + b * stride_kb + t * stride_kt, KO + b * stride_kob + t * stride_kot, n_k_heads,
-                 stride_kh, stride_koh, cos, sin_own, sin_partner, sign, offs_d, partner,
-                 BACKWARD, HEAD_DIM, ROTARY_DIM, BLOCK_HK, BLOCK_D)
+        idx1 = offs_j
+        idx2 = offs_j + ROTARY_DIM // 2
+    mask = t_ok[:, None] & (offs_j[None, :] < ROTARY_DIM // 2)
+    if HAS_POSITION_IDS:
+        pos = tl.load(POS + b * stride_pb + offs_t * stride_pt, mask=t_ok, other=0).to(tl.int64)
+        cs_row = pos * stride_ct
+    else:
+        cs_row = b * stride_cb + offs_t.to(tl.int64) * stride_ct
+    c1 = tl.load(COS + cs_row[:, None] + idx1[None, :], mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + cs_row[:, None] + idx2[None, :], mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + cs_row[:, None] + idx1[None, :], mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + cs_row[:, None] + idx2[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rows = x_base + offs_t.to(tl.int64)[:, None] * stride_xt
+    o_rows = o_base + offs_t.to(tl.int64)[:, None] * stride_ot
+    x1 = tl.load(x_rows + idx1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + idx2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    tl.store(o_rows + idx1[None, :], y1.to(o_base.dtype.element_ty), mask=mask)
+    tl.store(o_rows + idx2[None, :], y2.to(o_base.dtype.element_ty), mask=mask)
+    if COPY_TAIL:
+        offs_p = ROTARY_DIM + tl.arange(0, BLOCK_TAIL)
+        tail_mask = t_ok[:, None] & (offs_p[None, :] < HEAD_DIM)
+        tail = tl.load(x_rows + offs_p[None, :], mask=tail_mask, other=0.0)
+        tl.store(o_rows + offs_p[None, :], tail, mask=tail_mask)

@@ -46,7 +46,7 @@ def _configs(kind: str, head_dim: int) -> list[triton.Config]:
     big = head_dim > 128
     if kind == "fwd":
         shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if big else [
-            (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
+            (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
     elif kind == "dkdv":  # BLOCK_M: query rows per step, BLOCK_N: key rows held by the program
         shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if big else [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)]
     else:  # dq: BLOCK_M query rows held, BLOCK_N keys per step
@@ -78,6 +78,12 @@ def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device):
         # Keyed by the head dim; the tensors' dtypes are part of the key automatically.
         _TUNED[key] = triton.autotune(configs=_configs(kind, head_dim), key=["HEAD_DIM", "IS_VARLEN"])(kernel)
     return _TUNED[key], {}
+
+
+def _grid(meta: dict, grid_fn):
+    """A fixed tuple when the blocks are known (interpreter, autotuning off), else the callable
+    the autotuner evaluates per config."""
+    return grid_fn(meta) if meta else grid_fn
 
 
 def _block_d(head_dim: int) -> int:
@@ -156,8 +162,12 @@ def attention_fwd(
     if out.numel() == 0 or rows_q == 0:
         return out, lse
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    if not varlen:
+        # Never read (IS_VARLEN is False), but a real tensor: inductor's handling of None
+        # arguments to user Triton kernels is fragile.
+        cu_seqlens_q = cu_seqlens_k = lse
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device)
-    grid = lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,)
+    grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     wrap_triton(kernel)[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
@@ -199,6 +209,8 @@ def attention_bwd(
     block_d = _block_d(head_dim)
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     delta = torch.empty_like(lse)
+    if not varlen:
+        cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
     # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
     pre_block = 64 if q.device.type == "cuda" else 32
     wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(rows_q, pre_block) * batch * n_heads,)](
@@ -214,7 +226,7 @@ def attention_bwd(
                   *_bht_strides(do, layout))
     if rows_k > 0 and dk.numel() > 0:
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
-        grid = lambda m: (triton.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,)
+        grid = _grid(meta, lambda m: (triton.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
         wrap_triton(kernel)[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
@@ -222,7 +234,7 @@ def attention_bwd(
             **common, **meta,
         )
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
-    grid = lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,)
+    grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     wrap_triton(kernel)[grid](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
@@ -598,6 +610,7 @@ def rope_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: rotate q and k in one launch (backward=True applies the transposed rotation,
     i.e. the gradient). Writes into q_out / k_out when given (in place when they are q / k)."""
+    inplace = q_out is q  # then dims R..D already hold their values: no tail copy
     q, k = _unit_last(q), _unit_last(k)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
@@ -608,31 +621,38 @@ def rope_fwd(
                    rotary_dim=rotary_dim, compute_dtype=torch.float32)
             o.copy_(_to_bhsd(y, layout))
         return q_out, k_out
-    batch, _, seqlen = _dims(q, layout)
+    batch, n_q_heads, seqlen = _dims(q, layout)
+    n_k_heads = _dims(k, layout)[1]
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
     cos, sin = _unit_last(cos), _unit_last(sin)
+    if sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
     if cos.ndim == 3:
         stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
         stride_ct = cos.stride(1)
     else:
         stride_cb, stride_ct = 0, cos.stride(0)
-    if sin.stride() != cos.stride():
-        sin = sin.contiguous()
-        cos = cos.contiguous()
-        stride_cb = 0 if cos.ndim == 2 or cos.shape[0] == 1 else cos.stride(0)
-        stride_ct = cos.stride(-2)
     pos_strides = (position_ids.stride(0), position_ids.stride(1)) if position_ids is not None else (0, 0)
     head_dim = q.shape[-1]
-    wrap_triton(_rope_kernel)[(batch * seqlen,)](
-        q, k, q_out, k_out, cos, sin, position_ids,
-        seqlen, _dims(q, layout)[1], _dims(k, layout)[1],
+    # About 8K elements per program (64 positions of a 128-wide head): enough bytes in flight
+    # per program to stream at HBM rate, with cos/sin rows reused from L2 across heads.
+    block_t = max(1, min(triton.next_power_of_2(seqlen), 8192 // triton.next_power_of_2(head_dim)))
+    copy_tail = rotary_dim < head_dim and not inplace
+    # Heads vary fastest (axis 0, up to 2**31 programs): programs running together share the
+    # same cos/sin rows in L2.
+    grid = (batch * (n_q_heads + n_k_heads), triton.cdiv(seqlen, block_t))
+    wrap_triton(_rope_kernel)[grid](
+        q, k, q_out, k_out, cos, sin,
+        cos if position_ids is None else position_ids,  # a placeholder pointer when unused
+        seqlen, n_q_heads, n_k_heads,
         *_rope_strides(q, layout), *_rope_strides(k, layout),
         *_rope_strides(q_out, layout), *_rope_strides(k_out, layout),
         stride_cb, stride_ct, *pos_strides,
         HAS_POSITION_IDS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
-        HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_HQ=triton.next_power_of_2(_dims(q, layout)[1]), BLOCK_HK=triton.next_power_of_2(_dims(k, layout)[1]),
+        COPY_TAIL=copy_tail, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_T=block_t,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - rotary_dim)),
         num_warps=4,
     )
     return q_out, k_out
