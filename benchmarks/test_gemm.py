@@ -82,6 +82,12 @@ def _graph_replays(op, weights):
     return (lambda: next(cycle).replay()), "cuda-graph"
 
 
+def _best_config(kernel_name: str) -> str:
+    """The autotuner's last pick for a kernel_lab row (recorded with the figure)."""
+    kernel = getattr(gemm._kernels, kernel_name, None)
+    return str(getattr(kernel, "best_config", None))
+
+
 def _role(impl: str) -> str:
     return "baseline" if impl == "torch" else ("kernel_lab" if impl.startswith("kernel_lab") else "peer")
 
@@ -110,6 +116,8 @@ def test_gemm_prefill(benchmark, shape, dtype, impl):
         benchmark, impl=impl, role=_role(impl), bytes_moved=(m * k + n * k + m * n) * 2,
         flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
         tma=impl == "kernel_lab" and gemm.ops.USE_TMA,
+        config=_best_config("_matmul_tma_kernel" if impl == "kernel_lab" and gemm.ops.USE_TMA
+                            else "_matmul_kernel_prefill") if impl != "torch" else None,
     )
 
 
@@ -178,7 +186,8 @@ def test_gemm_decode(benchmark, case, impl):
     bench.annotate(
         benchmark, impl=impl, role=_role(impl), bytes_moved=weight_bytes + (m * k + m * n) * 2,
         flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype=DTYPE_NAMES[dtype],
-        timing=timing,
+        timing=timing, config=_best_config("_matmul_kernel_skinny" if impl == "kernel_lab"
+                                           else "_quantized_matmul_kernel_skinny") if impl != "torch" else None,
     )
 
 

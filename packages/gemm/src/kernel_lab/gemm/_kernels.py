@@ -388,9 +388,10 @@ def _matmul_tma_persistent_kernel(
 
 
 # Autotune configs. Prefill (M > 64): the large-tile configs that keep Hopper's / Ampere's
-# tensor cores fed (128x256x64 over 8 warps is the usual best on H100 for bf16; the others
-# cover narrower N, short K and L2-bound shapes). Each config compiles once per dtype: the list
-# is short on purpose (compile time is paid on the first call of every new shape bucket).
+# tensor cores fed (128x256x64 over 8 warps is the usual best on H100 for bf16; 128x128 covers
+# narrower N and the 4-warp variant smaller GPUs). Each config compiles once per dtype and
+# feature set: the lists are short on purpose (compile time is paid on the first call of every
+# new shape bucket, and every config is benchmarked there).
 def _cfg(bm, bn, bk, stages, warps, group_m=8):
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_stages=stages, num_warps=warps
@@ -399,17 +400,13 @@ def _cfg(bm, bn, bk, stages, warps, group_m=8):
 
 PREFILL_CONFIGS = [
     _cfg(128, 256, 64, 3, 8),
-    _cfg(256, 128, 64, 3, 8),
     _cfg(128, 128, 64, 4, 8),
     _cfg(128, 128, 64, 4, 4),
-    _cfg(64, 256, 64, 4, 4),
 ]
 # float8: twice the K per byte, so BLOCK_K = 128 moves the same bytes per stage.
 FP8_PREFILL_CONFIGS = [
     _cfg(128, 256, 128, 3, 8),
-    _cfg(256, 128, 128, 3, 8),
     _cfg(128, 128, 128, 4, 8),
-    _cfg(128, 128, 128, 4, 4),
 ]
 
 
@@ -434,14 +431,15 @@ def _skinny_cfg(bk, stages, warps):
 SKINNY_CONFIGS = [
     _skinny_cfg(128, 4, 4),
     _skinny_cfg(256, 3, 4),
-    _skinny_cfg(128, 5, 8),
     _skinny_cfg(256, 4, 8),
 ]
 SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT"]
 
 # Weight-only decode: the launcher fixes every block size (BLOCK_K must divide the group).
 QUANT_SKINNY_CONFIGS = [
-    triton.Config({}, num_stages=stages, num_warps=warps) for warps in (4, 8) for stages in (3, 5)
+    triton.Config({}, num_stages=3, num_warps=4),
+    triton.Config({}, num_stages=5, num_warps=4),
+    triton.Config({}, num_stages=4, num_warps=8),
 ]
 _quantized_matmul_kernel_skinny = _autotuned(
     _quantized_matmul_kernel, QUANT_SKINNY_CONFIGS, [*SKINNY_KEY, "BITS", "HAS_ZEROS"]
@@ -472,15 +470,12 @@ def _tma_cfg(bm, bn, bk, stages, warps, subtile):
 TMA_CONFIGS = [
     _tma_cfg(128, 256, 64, 3, 8, True),
     _tma_cfg(128, 256, 64, 4, 8, True),
-    _tma_cfg(256, 128, 64, 3, 8, True),
     _tma_cfg(128, 128, 64, 4, 8, False),
-    _tma_cfg(128, 128, 64, 5, 4, False),
 ]
 FP8_TMA_CONFIGS = [
     _tma_cfg(128, 256, 128, 3, 8, True),
-    _tma_cfg(128, 256, 128, 4, 8, True),
     _tma_cfg(128, 128, 128, 4, 8, False),
-    _tma_cfg(256, 128, 128, 3, 8, True),
+    _tma_cfg(128, 128, 128, 5, 8, True),
 ]
 TMA_KEY = ["M_BUCKET", "N", "K", "B_KMAJOR", "HAS_SCALE"]
 _matmul_tma_kernel = _autotuned(_matmul_tma_persistent_kernel, TMA_CONFIGS, TMA_KEY)
