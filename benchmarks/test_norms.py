@@ -163,12 +163,12 @@ def test_norms(benchmark, case, direction, impl):
     grads = [torch.randn(o.shape, device="cuda", dtype=DTYPE, generator=gen) for o in outs]
     # the gradients of the row-shaped inputs: x, and residual / gate
     row_inputs = [t for t in inputs if t.ndim == 2]
+    # before any backward: Liger's RMSNorm backward overwrites dy with dx in place
+    ref = _reference(op, [t.detach() for t in inputs], grads, backward)
     if backward:
         got = torch.autograd.grad(outs, row_inputs, grads, retain_graph=True)
     else:
         got = outs
-    # measured before timing: Liger's backward may overwrite dy with dx in place
-    ref = _reference(op, [t.detach() for t in inputs], grads, backward)
     max_error = max(float((g[:ERROR_ROWS].double() - r).abs().max()) for g, r in zip(got, ref, strict=True))
     if backward:
         bench.run_cuda(benchmark, lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True), rounds=20)
