@@ -57,7 +57,11 @@ class _CacheBase:
             raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda" and dev.index is None:
+            # Tensors report "cuda:0", never "cuda": pin the index so device checks compare equal.
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         self._lengths = torch.zeros((num_layers, rows), dtype=torch.int32, device=self.device)
         self._host_lengths = [[0] * rows for _ in range(num_layers)]
         if dtype == FP8_DTYPE:
