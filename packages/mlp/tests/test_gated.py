@@ -128,7 +128,7 @@ def test_packed_gradient_of_expanded_dy_matches_reference(kernel_device, seed):
     """y.sum().backward() hands the backward a stride-0 dy; the op must not misread it."""
     x = randn(6, 2 * 45, device=kernel_device, seed=seed, scale=2.0, requires_grad=True)
     mlp.gelu_and_mul(x, "tanh").sum().backward()
-    dy = torch.ones(6, 45, dtype=torch.float64)
+    dy = torch.ones(6, 45, dtype=torch.float64, device=kernel_device)
     ref = reference.gelu_and_mul_backward(x.detach(), dy, "tanh")
     assert_close_to_reference(x.grad, ref, name="dx", atol=1e-5 * float(ref.abs().max()))
 
