@@ -9,7 +9,7 @@ tier runs float16 and float32 and the gpu tier adds bfloat16.
 import pytest
 import torch
 
-from kernel_lab.inference_kvcache import KVCache, PagedKVCache, decode_attention, flash_decode
+from kernel_lab.inference_kvcache import KVCache, PagedKVCache, decode_attention, flash_decode, kv_append
 from kernel_lab.shared import shapes
 from kernel_lab.shared.testing import randn, strided_rows
 
@@ -206,3 +206,47 @@ def test_decode_under_torch_compile_fullgraph(kvh, seed):
     out = compiled(q, cache.k[0], cache.v[0], cache.lengths(0))
     torch.testing.assert_close(out, flash_decode(q, cache.k[0], cache.v[0], cache.lengths(0), num_splits=4))
     kvh.check_decode(out, q, cache, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library registration
+
+
+@pytest.mark.interpret
+def test_decode_and_append_compile_fullgraph_match_eager(kvh, kernel_device, seed):
+    """fullgraph=True: no graph break around either custom op; results equal the eager ones."""
+    cache = kvh.make_cache("paged", batch=2, max_len=40, h_kv=2, d=16, dtype=torch.float16,
+                           device=kernel_device)
+    kvh.fill(cache, 0, [37, 5], dtype=torch.float16, seed=seed, prefill=40)
+    q = randn(2, 8, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    args = (cache.k[0], cache.v[0], cache.lengths(0))
+    backend = "inductor" if kernel_device == "cuda" else "aot_eager"
+
+    def step(q, k, v, lengths, table):
+        return flash_decode(q * 1.0, k, v, lengths, block_table=table, num_splits=3) + 0.0
+
+    out = torch.compile(step, fullgraph=True, backend=backend)(q, *args, cache.block_table)
+    assert torch.equal(out, flash_decode(q, *args, block_table=cache.block_table, num_splits=3))
+    kvh.check_decode(out, q, cache, 0)
+
+    def append(k_new, k_cache, v_cache, lengths):
+        kv_append(k_new * 1.0, k_new, k_cache, v_cache, lengths)
+
+    k_cache = torch.zeros(2, 8, 2, 16, dtype=torch.float16, device=kernel_device)
+    v_cache = torch.zeros_like(k_cache)
+    k_new = randn(2, 3, 2, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    lengths = torch.tensor([0, 4], dtype=torch.int32, device=kernel_device)
+    torch.compile(append, fullgraph=True, backend=backend)(k_new, k_cache, v_cache, lengths)
+    assert torch.equal(k_cache[0, :3], k_new[0]) and torch.equal(v_cache[1, 4:7], k_new[1])
+
+
+@pytest.mark.interpret
+def test_custom_ops_pass_opcheck(kernel_device, seed):
+    q = randn(2, 8, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    k = randn(2, 20, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    lengths = torch.tensor([20, 3], dtype=torch.int32, device=kernel_device)
+    torch.library.opcheck(torch.ops.kernel_lab.kvcache_decode.default,
+                          (q, k, k.clone(), lengths, None, None, None, None, 0.25, 2))
+    k_new = randn(2, 1, 2, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    torch.library.opcheck(torch.ops.kernel_lab.kvcache_append.default,
+                          (k_new, k_new, k.clone(), k.clone(), lengths - 1, None, None, None, None, None))

@@ -16,7 +16,9 @@ import triton.language as tl
 from kernel_lab.shared import runtime
 
 # Largest finite float8 e4m3fn value: the append saturates to it instead of producing NaN.
+# A kernel may only read globals that are tl.constexpr, hence the second name.
 FP8_E4M3_MAX = 448.0
+_FP8_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -90,8 +92,8 @@ def _kv_append_kernel(
         # +-448 instead of NaN), rounded to nearest even.
         k_scale = tl.load(k_scale_ptr + offs_h, mask=offs_h < H, other=1.0)
         v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < H, other=1.0)
-        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
-        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -_FP8_E4M3_MAX, _FP8_E4M3_MAX))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -_FP8_E4M3_MAX, _FP8_E4M3_MAX))
     cache_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)

@@ -3,8 +3,8 @@
 Call path: `flash_decode(...)` (tensor-level) checks its inputs, then
 - in eager mode calls the launcher `flash_decode_fwd` directly (a custom op costs tens of
   microseconds per call, as long as a whole decode step at small batch);
-- under torch.compile calls `torch.ops.kernel_lab.kvcache_decode`, a `triton_op`, so the graph
-  has no break.
+- under torch.compile calls `torch.ops.kernel_lab.kvcache_decode`, a custom op with a fake
+  implementation, so the graph has no break.
 `kv_append` (used by the caches in `modules`) follows the same pattern with the mutating op
 `torch.ops.kernel_lab.kvcache_append`. There is no backward: these are inference ops.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import custom_op, wrap_triton
 
 from kernel_lab.shared import reference, runtime
 
@@ -395,10 +395,13 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
 
 
 # ----------------------------------------------------------------------------------------
-# torch.library registration: what torch.compile sees.
+# torch.library registration: what torch.compile sees. Opaque custom ops with fake (shape-only)
+# implementations rather than triton_op: the launchers make host decisions (split plan,
+# autotune keys, the reference fallback reads lengths) that must not be traced, and the
+# compiled graph gains nothing from seeing inside a decode kernel.
 
 
-@triton_op("kernel_lab::kvcache_decode", mutates_args=())
+@custom_op("kernel_lab::kvcache_decode", mutates_args=())
 def _kvcache_decode_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -414,7 +417,12 @@ def _kvcache_decode_op(
     return flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale, num_splits)
 
 
-@triton_op("kernel_lab::kvcache_append", mutates_args={"k_cache", "v_cache"})
+@_kvcache_decode_op.register_fake
+def _kvcache_decode_fake(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale, num_splits):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@custom_op("kernel_lab::kvcache_append", mutates_args={"k_cache", "v_cache"})
 def _kvcache_append_op(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
@@ -428,3 +436,8 @@ def _kvcache_append_op(
     v_scale: torch.Tensor | None,
 ) -> None:
     kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
+
+
+@_kvcache_append_op.register_fake
+def _kvcache_append_fake(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale):
+    return None
