@@ -1,0 +1,106 @@
+"""Compile the kernels for an H100/H200 (sm_90) without a GPU.
+
+The interpreter runs kernels as Python and accepts code the compiler rejects (a plain Python
+global read inside a kernel, for one, which cost a GPU run). triton.compile with an explicit
+target lowers to PTX and cubin on any machine with the CUDA backend of the triton wheel.
+Under TRITON_INTERPRET=1 (CI) the kernels are interpreter objects, so one test reruns this file
+in a subprocess with the interpreter off.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernel_lab.inference_kvcache import _kernels  # noqa: E402
+from kernel_lab.shared import runtime  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def _jit(fn) -> JITFunction:
+    while not isinstance(fn, JITFunction):  # through @triton.autotune
+        fn = fn.fn
+    return fn
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict, *, num_warps=4, num_stages=2):
+    """Compile `fn`: pointer args typed by `pointers`, strides i64, other ints i32."""
+    fn = _jit(fn)
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "i64" if name.startswith("stride") else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_backend(request):
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("the triton wheel has no CUDA backend")
+    if runtime.interpret_mode() and request.node.name != "test_rerun_without_interpreter":
+        pytest.skip("kernels are interpreter objects here; test_rerun_without_interpreter compiles them")
+
+
+def test_rerun_without_interpreter():
+    if not runtime.interpret_mode():
+        pytest.skip("the compile tests below run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    # Only this test itself may skip there: every compile test must have run.
+    summary = res.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and ("skipped" not in summary or "1 skipped" in summary), summary
+
+
+@pytest.mark.parametrize("cache_dtype,paged", [("fp16", False), ("fp8e4nv", True)])
+def test_append_kernel_compiles_for_sm90(cache_dtype, paged):
+    ptrs = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": f"*{cache_dtype}",
+            "v_cache_ptr": f"*{cache_dtype}", "lengths_ptr": "*i32", "seq_ids_ptr": "*i32",
+            "counts_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    quant = cache_dtype == "fp8e4nv"
+    if not quant:
+        ptrs["k_new_ptr"] = ptrs["v_new_ptr"] = "*fp16"
+    kernel = _compile(_kernels._kv_append_kernel, ptrs, {
+        "PAGED": paged, "PAGE_SIZE": 16, "HAS_SEQ_IDS": True, "HAS_COUNTS": True, "QUANT": quant,
+        "BLOCK_H": 8, "BLOCK_D": 128,
+    })
+    assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize(
+    "q_dtype,cache_dtype,paged,split,block_n,num_stages",
+    [("bf16", "bf16", False, True, 64, 3), ("bf16", "bf16", True, False, 128, 2),
+     ("bf16", "fp8e4nv", False, True, 64, 4), ("fp32", "fp32", True, True, 32, 3)],
+)
+def test_decode_kernels_compile_for_sm90(q_dtype, cache_dtype, paged, split, block_n, num_stages):
+    ptrs = {"q_ptr": f"*{q_dtype}", "out_ptr": f"*{q_dtype}", "k_ptr": f"*{cache_dtype}",
+            "v_ptr": f"*{cache_dtype}", "lengths_ptr": "*i32", "seq_ids_ptr": "*i32",
+            "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "qk_scale": "fp32"}
+    kernel = _compile(_kernels._decode_split_kernel, ptrs, {
+        "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "PAGED": paged, "PAGE_SIZE": 16,
+        "HAS_SEQ_IDS": False, "QUANT": cache_dtype == "fp8e4nv", "SPLIT": split,
+        "DOT_PRECISION": "ieee" if q_dtype == "fp32" else "tf32",
+    }, num_stages=num_stages)
+    assert "cubin" in kernel.asm
+    merge = _compile(_kernels._decode_merge_kernel,
+                     {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": f"*{q_dtype}"},
+                     {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 64})
+    assert "cubin" in merge.asm
