@@ -133,15 +133,15 @@ def test_mlp(benchmark, case, direction, impl):
     inputs = _inputs(op, m, n)
     if backward:
         inputs = [t.requires_grad_(True) for t in inputs]
+    dy = torch.randn(m, n, device="cuda", dtype=DTYPE, generator=torch.Generator("cuda").manual_seed(1))
+    # the reference comes first: Liger's backward overwrites its saved inputs with the gradients
+    ref = _reference(op, [t.detach() for t in inputs], dy, backward)
     y = fn(*inputs)
-    dy = torch.randn(y.shape, device="cuda", dtype=DTYPE, generator=torch.Generator("cuda").manual_seed(1))
     if backward:
         got = torch.autograd.grad(y, inputs, dy, retain_graph=True)
         got = got[:1] if op == "bias_gelu" else got
     else:
         got = (y,)
-    # measured before timing: Liger's backward overwrites its saved inputs with the gradients
-    ref = _reference(op, [t.detach() for t in inputs], dy, backward)
     max_error = max(float((g[:ERROR_ROWS].double() - r).abs().max()) for g, r in zip(got, ref, strict=True))
     if backward:
         bench.run_cuda(benchmark, lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), rounds=20)

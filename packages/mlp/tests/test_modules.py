@@ -56,7 +56,7 @@ def test_gated_mlp_module_matches_reference_forward_and_grads(kernel_device, see
     dy = randn(*y.shape, device=kernel_device, seed=seed + 200)
     params = [x, *m.parameters()]
     grads = torch.autograd.grad(y, params, dy)
-    x64 = x.detach().double().requires_grad_(True)
+    x64 = x.detach().cpu().double().requires_grad_(True)
     m64 = _init_(cls(24, 40, bias, fuse_gate_up=fuse_gate_up, **kw), seed).double()
     ref_grads = torch.autograd.grad(_eager_mlp(m64, x64), [x64, *m64.parameters()], dy.cpu().double())
     base_grads = torch.autograd.grad(_eager_mlp(m, x), params, dy)

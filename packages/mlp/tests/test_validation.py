@@ -130,4 +130,6 @@ def test_ops_under_torch_compile_fullgraph_match_eager(seed, op):
     grads_e = torch.autograd.grad(y_e, inputs, dy)
     torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
     for gc, ge in zip(grads_c, grads_e, strict=True):
-        torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6)
+        # dbias adds per-chunk float32 partial sums with torch; under inductor that last sum is
+        # generated code with another summation order (float32 rounding of a 300-row sum)
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
