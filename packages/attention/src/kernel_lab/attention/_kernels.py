@@ -139,6 +139,8 @@ def _attn_fwd_kernel(
     n_m = tl.cdiv(rows_q, BLOCK_M)
     pid_bh = tl.program_id(0) // n_m
     pid_m = n_m - 1 - tl.program_id(0) % n_m
+    # torch.compile may pass Python floats as fp64 scalars: keep the softmax math in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_b = pid_bh // n_heads
     pid_h = pid_bh % n_heads
     q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
@@ -286,6 +288,8 @@ def _attn_bwd_dkdv_kernel(
     n_n = tl.cdiv(rows_k, BLOCK_N)
     pid_bh = tl.program_id(0) // n_n
     pid_n = tl.program_id(0) % n_n
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile otherwise (see the forward)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_b = pid_bh // n_kv_heads
     kv_h = pid_bh % n_kv_heads
     q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
@@ -380,6 +384,8 @@ def _attn_bwd_dq_kernel(
     n_m = tl.cdiv(rows_q, BLOCK_M)
     pid_bh = tl.program_id(0) // n_m
     pid_m = n_m - 1 - tl.program_id(0) % n_m  # longest (causal) query blocks first
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 under torch.compile otherwise (see the forward)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_b = pid_bh // n_heads
     pid_h = pid_bh % n_heads
     q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)

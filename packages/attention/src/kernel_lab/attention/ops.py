@@ -11,6 +11,7 @@ problem with per-sequence offsets read from cu_seqlens.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -29,6 +30,20 @@ from ._kernels import (
     _attn_fwd_kernel,
     _rope_kernel,
 )
+
+try:  # torch >= 2.6; the switch triton_op itself uses around its eager implementation
+    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+except ImportError:  # pragma: no cover - older torch: every launch goes through the HOP
+    _set_wrap_triton_enabled = None
+
+
+def _eager_launches():
+    """Context of the eager fast path: `wrap_triton(kernel)[grid](...)` launches the kernel
+    directly instead of dispatching the wrap_triton higher-order op, which in eager mode costs
+    hundreds of microseconds per launch (more than a 1k-token attention). torch.compile and the
+    registered ops (fake tensors) still see the traceable path."""
+    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
+
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("bhsd", "bshd")
@@ -349,7 +364,8 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout):
-        out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
+        with _eager_launches():
+            out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
         # Gradients of unused outputs arrive as None instead of zero tensors (no dlse work).
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -360,7 +376,8 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
-        dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
+        with _eager_launches():
+            dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -473,7 +490,8 @@ def flash_attention(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnFunction.apply(q, k, v, None, None, 0, 0, scale, left, right, layout)
     else:
-        out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+        with _eager_launches():
+            out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
     return (out, lse) if return_lse else out
 
 
@@ -552,7 +570,8 @@ def flash_attention_varlen(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnFunction.apply(q, k, v, *args, "varlen")
     else:
-        out, lse = attention_fwd(q, k, v, *args, "varlen")
+        with _eager_launches():
+            out, lse = attention_fwd(q, k, v, *args, "varlen")
     return (out, lse) if return_lse else out
 
 
@@ -686,12 +705,14 @@ class _RopeFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.args = (interleaved, rotary_dim, layout)
-        return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+        with _eager_launches():
+            return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
-        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
+        with _eager_launches():
+            dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
         return dq, dk, None, None, None, None, None, None
 
 
@@ -767,9 +788,11 @@ def apply_rope(
             q.copy_(qo)
             k.copy_(ko)
             return q, k
-        return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
+        with _eager_launches():
+            return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RopeFunction.apply(q, k, cos, sin, position_ids, interleaved, r, layout)
-    return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False)
+    with _eager_launches():
+        return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False)
