@@ -136,6 +136,38 @@ def test_adamw_low_precision_params_round_the_float32_update_once(kernel_device,
 
 
 @pytest.mark.interpret
+def test_adamw_mixed_dtypes_zero_size_and_master_weights_in_one_group(kernel_device, seed):
+    """fp32 + bf16 params (bf16 with a float32 master copy, fp32 without), an fp16 grad on a
+    bf16 param (where torch allows one) and zero-size tensors: several launches from one group, each checked against
+    the reference for the first step."""
+    params = [
+        torch.nn.Parameter(testing.randn(300, device=kernel_device, seed=seed)),
+        torch.nn.Parameter(testing.randn(7, 11, dtype=torch.bfloat16, device=kernel_device, seed=seed + 1)),
+        torch.nn.Parameter(torch.zeros(0, device=kernel_device)),
+        torch.nn.Parameter(torch.zeros(5, 0, dtype=torch.bfloat16, device=kernel_device)),
+    ]
+    grads = [testing.randn(*p.shape, device=kernel_device, seed=seed + 2 + i).to(p.dtype) for i, p in enumerate(params)]
+    if hasattr(torch.Tensor, "grad_dtype"):  # torch >= 2.10 checks a grad's dtype against this
+        params[1].grad_dtype = None
+        grads[1] = grads[1].to(torch.float16)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    opt = AdamW(params, master_weights=True, weight_decay=0.1, **HP)
+    opt.step()
+    assert "master_param" in opt.state[params[1]] and "master_param" not in opt.state[params[0]]
+    group = opt.param_groups[0]
+    for i in (0, 1):
+        zero = torch.zeros(params[i].shape, device=kernel_device)
+        rp, rm, _, _ = _ref_update(before[i].float(), grads[i], {"exp_avg": zero, "exp_avg_sq": zero}, group, 1)
+        testing.assert_close_to_reference(opt.state[params[i]]["exp_avg"], rm, name=f"m[{i}]")
+        out = opt.state[params[i]].get("master_param", params[i].detach())
+        testing.assert_close_to_reference(out, rp, name=f"param[{i}]")
+    assert torch.equal(params[1].detach(), opt.state[params[1]]["master_param"].to(torch.bfloat16))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+
+
+@pytest.mark.interpret
 def test_adamw_param_groups_with_different_hyperparameters(kernel_device, seed):
     ours = _params(SHAPES, torch.float32, kernel_device, seed)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
