@@ -66,3 +66,27 @@ def test_hf_llama_with_kernel_lab_attention_and_rope_matches_eager(kernel_device
         mask[0, :5] = 0
         torch.testing.assert_close(ours(ids, attention_mask=mask).logits[1],
                                    eager(ids, attention_mask=mask).logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_hf_generate_with_kv_cache_matches_eager(kernel_device, seed, monkeypatch):
+    """Decoding against a KV cache: each step is Tq = 1 against Tk cached keys with causal=True,
+    which the bottom-right convention turns into "see every key" (SDPA's top-left would not)."""
+    register_hf()
+    shapes = []
+
+    def recording(q, k, v, **kwargs):
+        shapes.append((q.shape[-2], k.shape[-2]))
+        return flash_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(modules, "flash_attention", recording)
+    ids = torch.randint(0, 97, (1, 9), generator=testing.make_generator(seed)).to(kernel_device)
+    eager = _tiny_llama(kernel_device, "eager")
+    ours = _tiny_llama(kernel_device, "kernel_lab")
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = eager.generate(ids, **kw)
+        got = ours.generate(ids, **kw)
+    assert torch.equal(got, expected)
+    assert (1, 10) in shapes, f"no single-token decode step reached the kernel: {shapes}"

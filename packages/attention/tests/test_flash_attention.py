@@ -421,3 +421,23 @@ def test_gpu_64bit_offsets_past_2_pow_31_elements():
     ref = reference.attention(last, last, last, causal=True, compute_dtype=torch.float32)
     base = reference.attention(q[-1:], q[-1:], q[-1:], causal=True, compute_dtype=torch.bfloat16)
     testing.assert_close_to_reference(out[-1:], ref, base, factor=FWD_FACTOR)
+
+
+@pytest.mark.gpu
+def test_gpu_eager_calls_do_not_dispatch_the_wrap_triton_hop(monkeypatch):
+    """Eager calls launch the kernels directly: the wrap_triton higher-order op costs hundreds
+    of microseconds of CPU per launch, more than a 1k-token attention on the GPU."""
+    tkw = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    calls = []
+    hopifier = getattr(tkw, "tracing_triton_hopifier_singleton", None)
+    if hopifier is None:
+        pytest.skip("this torch has no tracing_triton_hopifier_singleton to observe")
+    original = hopifier.call_triton_kernel
+    monkeypatch.setattr(hopifier, "call_triton_kernel", lambda *a, **k: calls.append(1) or original(*a, **k))
+    q, k, v, do = _make((1, 2, 64, 64), (1, 2, 64, 64), torch.bfloat16, "cuda", 0)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=True)
+    torch.autograd.grad(out, leaves, do)
+    with torch.no_grad():
+        flash_attention(q, k, v)
+    assert calls == []
