@@ -240,6 +240,15 @@ def test_custom_scale_and_large_logits(kernel_device, seed):
 
 
 @pytest.mark.interpret
+def test_attention_entry_point_runs_the_kernel(kernel_device, seed):
+    q, k, v, do = _make((1, 4, 19, 32), (1, 2, 26, 32), torch.float16, kernel_device, seed)
+    assert attention_backend(q, k) == ("triton" if kernel_device == "cuda" else "triton-interpret")
+    out = attention(q, k, v, causal=True)
+    base, _, _ = _baseline(q, k, v, do, causal=True, window=None)
+    testing.assert_close_to_reference(out, reference.attention(q, k, v, causal=True), base, factor=FWD_FACTOR)
+
+
+@pytest.mark.interpret
 def test_strided_views_are_read_in_place(kernel_device, seed):
     """q/k/v as slices of one packed (B, T, 3, H, D) projection, the rest NaN: a kernel that
     ignores the strides reads NaN and fails."""
@@ -309,15 +318,23 @@ def test_varlen_matches_reference_with_empty_and_single_token_sequences(kernel_d
 
 
 @pytest.mark.interpret
-def test_varlen_window_forward_matches_reference(kernel_device, seed):
+def test_varlen_window_forward_backward_match_reference(kernel_device, seed):
     lens = [30, 1, 45]
     cu = _cu(lens).to(kernel_device)
     q, k, v = (testing.randn(sum(lens), 2, 64, dtype=torch.float16, device=kernel_device, seed=seed + i)
                for i in range(3))
-    out = flash_attention_varlen(q, k, v, cu, cu, 45, 45, window=(6, 2), backend="triton")
+    do = testing.randn(sum(lens), 2, 64, dtype=torch.float16, device=kernel_device, seed=seed + 5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention_varlen(*leaves, cu, cu, 45, 45, window=(6, 2), backend="triton")
     ref = reference.attention_varlen(q, k, v, cu, cu, window=(6, 2))
-    base = reference.attention_varlen(q, k, v, cu, cu, window=(6, 2), compute_dtype=torch.float16)
-    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR)
+    base_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    base = reference.attention_varlen(*base_leaves, cu, cu, window=(6, 2), compute_dtype=torch.float16)
+    testing.assert_close_to_reference(out, ref, base.detach(), factor=FWD_FACTOR)
+    grads = torch.autograd.grad(out, leaves, do)
+    base_grads = torch.autograd.grad(base, base_leaves, do)
+    ref_grads = reference.attention_varlen_backward(q, k, v, do, cu, cu, window=(6, 2))
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+        testing.assert_close_to_reference(g, r, b, factor=BWD_FACTOR, name=name)
 
 
 def _check_compiled_matches_eager(device, seed, compile_backend):
