@@ -192,6 +192,21 @@ def test_registered_ops_pass_opcheck(seed, monkeypatch, kernel_device):
     out, lse = torch.ops.kernel_lab.attention_fwd(*args)
     bwd_args = (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, 0.25, 1 << 30, 0, "bhsd")
     torch.library.opcheck(torch.ops.kernel_lab.attention_bwd.default, bwd_args)
+    cos = testing.randn(9, 16, device=kernel_device, seed=seed)
+    torch.library.opcheck(torch.ops.kernel_lab.rope.default,
+                          (q, k[:, :, :9], cos, cos.flip(0), None, False, 16, "bhsd", False))
+    if kernel_device != "cuda":
+        # The varlen reference (the CPU fallback) reads cu_seqlens on the host, which tracing
+        # cannot do: the varlen ops are traceable on the Triton backend only.
+        return
+    cu = _cu([4, 0, 5]).to(kernel_device)
+    qv, kv, vv, dov = (t[0].transpose(0, 1)[:9].contiguous() for t in (q, k, v, do))
+    vargs = (qv, kv, vv, cu, cu, 5, 5, 0.25, 1 << 30, 0)
+    torch.library.opcheck(torch.ops.kernel_lab.attention_varlen_fwd.default, vargs)
+    out_v, lse_v = torch.ops.kernel_lab.attention_varlen_fwd(*vargs)
+    vbwd = (dov, qv.detach(), kv.detach(), vv.detach(), out_v.detach(), lse_v.detach(), None, cu, cu, 5, 5, 0.25,
+            1 << 30, 0)
+    torch.library.opcheck(torch.ops.kernel_lab.attention_varlen_bwd.default, vbwd)
 
 
 # --- interpret tier: the real kernels on small shapes ---------------------------------------------
