@@ -1,0 +1,114 @@
+"""Compile the attention and RoPE kernels for an H100/H200 (sm_90) without a GPU.
+
+The interpreter runs kernels as Python and accepts code the compiler rejects. triton.compile
+with an explicit target lowers to PTX and cubin on any machine with the CUDA backend of the
+triton wheel. The scale arguments are also compiled as fp64 scalars, which is how
+torch.compile (inductor) passes Python floats to user kernels: the kernels must keep their
+softmax math in fp32 then (a GPU run failed on exactly that). Under TRITON_INTERPRET=1 (CI) the
+kernels are interpreter objects, so one test reruns this file with the interpreter off.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernel_lab.attention import _kernels  # noqa: E402
+from kernel_lab.shared import runtime  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+SCALARS = ("qk_scale", "sm_scale")
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict, *, float_type="fp32", num_warps=8, num_stages=3):
+    """Compile `fn` for sm_90: pointers typed by `pointers`, scale args `float_type`, strides
+    i64, other ints i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name in SCALARS:
+            sig[name] = float_type
+        else:
+            sig[name] = "i64" if name.startswith("stride") else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _ptrs(dtype, names):
+    return {n: ("*fp32" if n in ("LSE", "DELTA") else "*i32" if n.startswith("CU_") else f"*{dtype}") for n in names}
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_backend(request):
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("the triton wheel has no CUDA backend")
+    if runtime.interpret_mode() and request.node.name != "test_rerun_without_interpreter":
+        pytest.skip("kernels are interpreter objects here; test_rerun_without_interpreter compiles them")
+
+
+def test_rerun_without_interpreter():
+    if not runtime.interpret_mode():
+        pytest.skip("the compile tests below run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    summary = res.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and ("skipped" not in summary or "1 skipped" in summary), summary
+
+
+FWD_NAMES = ("Q", "K", "V", "Out", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "varlen", "float_type", "blocks"),
+    [("bf16", 128, False, "fp64", (128, 64, 8, 3)), ("fp16", 96, True, "fp32", (128, 128, 8, 3)),
+     ("fp32", 64, False, "fp32", (64, 64, 4, 2)), ("bf16", 256, False, "fp32", (64, 64, 4, 2))],
+)
+def test_forward_kernel_compiles_for_sm90(dtype, head_dim, varlen, float_type, blocks):
+    bm, bn, warps, stages = blocks
+    kernel = _compile(_kernels._attn_fwd_kernel, _ptrs(dtype, FWD_NAMES), {
+        "IS_VARLEN": varlen, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_M": bm, "BLOCK_N": bn, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+    }, float_type=float_type, num_warps=warps, num_stages=stages)
+    assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize("float_type", ["fp32", "fp64"])
+def test_backward_kernels_compile_for_sm90(float_type):
+    common = {"IS_VARLEN": False, "HEAD_DIM": 128, "BLOCK_D": 128, "DOT_PRECISION": "tf32"}
+    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
+    dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, _ptrs("bf16", names),
+                    {**common, "BLOCK_M": 32, "BLOCK_N": 128}, float_type=float_type)
+    dq = _compile(_kernels._attn_bwd_dq_kernel, _ptrs("bf16", names),
+                  {**common, "BLOCK_M": 128, "BLOCK_N": 32}, float_type=float_type)
+    pre = _compile(_kernels._attn_bwd_preprocess_kernel, _ptrs("bf16", ("Out", "DO", "DELTA", "CU_SEQLENS_Q")),
+                   {"IS_VARLEN": True, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64}, num_warps=4)
+    assert all("cubin" in k.asm for k in (dkdv, dq, pre))
+    if float_type == "fp64":
+        # fp64 arguments are converted once; no fp64 arithmetic in the loops (slow on GPUs).
+        assert dq.asm["ptx"].count(".f64") <= 4, "fp64 math in the dq kernel"
+
+
+@pytest.mark.parametrize(("interleaved", "position_ids", "copy_tail"), [(False, False, True), (True, True, False)])
+def test_rope_kernel_compiles_for_sm90(interleaved, position_ids, copy_tail):
+    ptrs = {n: "*bf16" for n in ("Q", "K", "QO", "KO", "COS", "SIN")}
+    ptrs["POS"] = "*i64" if position_ids else "*bf16"
+    kernel = _compile(_kernels._rope_kernel, ptrs, {
+        "HAS_POSITION_IDS": position_ids, "INTERLEAVED": interleaved, "BACKWARD": not interleaved,
+        "COPY_TAIL": copy_tail, "HEAD_DIM": 128, "ROTARY_DIM": 64 if copy_tail else 128, "BLOCK_T": 64,
+        "BLOCK_HALF": 32 if copy_tail else 64, "BLOCK_TAIL": 64 if copy_tail else 1,
+    }, num_warps=4, num_stages=1)
+    assert "cubin" in kernel.asm
