@@ -15,28 +15,29 @@ Three shapes of work, forward and backward alike:
 
 All math is float32 whatever the input dtype. A fully masked row (all -inf) has no finite max;
 we shift it by 0 instead of -inf so it yields softmax 0 and log-softmax -inf, never NaN.
+-inf is written inline as float("-inf"), not as a module global: torch.compile copies these
+kernels' sources into its generated code, and a module-level constant does not travel with them.
 """
 
 import triton
 import triton.language as tl
 
-NEG_INF = tl.constexpr(float("-inf"))  # a constexpr global: jit functions can read it
 
 
 @triton.jit
 def _safe_shift(m):
     """The max to subtract: 0 where the running max is still -inf (nothing finite seen yet)."""
-    return tl.where(m == NEG_INF, 0.0, m)
+    return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
 def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr):
     """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1]."""
-    m = tl.full([1], NEG_INF, tl.float32)
+    m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
-        x = tl.load(row_ptr + cols, mask=cols < end, other=NEG_INF).to(tl.float32)
+        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = _safe_shift(m_new)
         # rescale the sum so far to the new max, then add this chunk
@@ -54,9 +55,9 @@ def _write_normalized(x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr,
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
-        x = tl.load(x_row_ptr + cols, mask=mask, other=NEG_INF).to(tl.float32)
+        x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if LOG:
-            y = tl.where(s > 0, x - shift - log_s, NEG_INF)
+            y = tl.where(s > 0, x - shift - log_s, float("-inf"))
         else:
             y = tl.exp(x - shift) * inv_s
         tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask)
@@ -73,13 +74,13 @@ def _softmax_fwd_rows_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=NEG_INF)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
     shift = _safe_shift(tl.max(x, axis=1))[:, None]
     e = tl.exp(x - shift)
     s = tl.sum(e, axis=1)[:, None]
     if LOG:
-        y = tl.where(s > 0, x - shift - tl.log(s), NEG_INF)
+        y = tl.where(s > 0, x - shift - tl.log(s), float("-inf"))
     else:
         y = e * tl.where(s > 0, 1.0 / s, 0.0)
     tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -128,7 +129,7 @@ def _softmax_fwd_split_kernel(
     split = tl.program_id(1)
     # merge the row's per-chunk statistics: max of maxes, sums rescaled to it
     idx = tl.arange(0, SPLITS_POW2)
-    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=NEG_INF)
+    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=float("-inf"))
     part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0)
     m = tl.max(part_m, axis=0)
     s = tl.sum(part_s * tl.exp(part_m - _safe_shift(m)), axis=0)
