@@ -245,11 +245,16 @@ def test_fp8_matmul_matches_reference_and_scaled_mm(seed, granularity, m, n, k):
     bias = testing.randn(n, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
     out = fp8_matmul(xq, wq.t(), sx, sw, bias=bias)
     ref = reference.fp8_matmul(xq, wq.t(), sx, sw, bias)
-    # _scaled_mm wants both scales row-wise ((M, 1) and (1, N)) or both scalars
-    row = granularity == "row"
-    sa_mm, sb_mm = (sx.reshape(-1, 1), sw.reshape(1, -1)) if row else (sx.reshape(()), sw.reshape(()))
-    # (the bias is added outside: _scaled_mm does not take one with row-wise scales)
-    base = (torch._scaled_mm(xq, wq.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16).float() + bias.float()).bfloat16()
+    if m % 16 or n % 16 or k % 16:
+        # torch._scaled_mm needs multiples of 16: the same-precision baseline is then the float32
+        # product of the same float8 values, scaled, rounded once to bf16
+        base = ((xq.float() * sx.reshape(-1, 1)) @ (wq.float().t() * sw.reshape(1, -1)) + bias.float()).bfloat16()
+    else:
+        # _scaled_mm wants both scales row-wise ((M, 1) and (1, N)) or both scalars; the bias is
+        # added outside (it takes none with row-wise scales)
+        row = granularity == "row"
+        sa_mm, sb_mm = (sx.reshape(-1, 1), sw.reshape(1, -1)) if row else (sx.reshape(()), sw.reshape(()))
+        base = (torch._scaled_mm(xq, wq.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16).float() + bias.float()).bfloat16()
     testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name="fp8_matmul")
 
 
