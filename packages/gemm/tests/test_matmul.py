@@ -283,3 +283,34 @@ def test_tma_persistent_kernel_matches_reference(kernel_device, seed, m, n, k, b
     common = dict(HAS_BIAS=True, HAS_SCALE=False, ACTIVATION="silu")
     ops._matmul_tma(a, b, c, bias, c, c, 0, 0, common)
     check(c, a, b, bias, "silu")
+
+
+def test_registered_ops_pass_opcheck(seed, monkeypatch, kernel_device):
+    """Schema, fake-tensor, autograd-registration and AOT-dispatch checks of the torch.library
+    ops. Fake-tensor tracing cannot run the interpreter (it reads real data): on the CPU this
+    checks the registration around the reference backend; on CUDA, around the Triton kernels."""
+    from kernel_lab.gemm import quantize_weight
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dt = torch.float16 if kernel_device == "cpu" else torch.bfloat16
+    a = testing.randn(5, 32, dtype=dt, device=kernel_device, seed=seed, requires_grad=True)
+    b = testing.randn(32, 24, dtype=dt, device=kernel_device, seed=seed + 1, requires_grad=True)
+    bias = testing.randn(24, dtype=dt, device=kernel_device, seed=seed + 2, requires_grad=True)
+    torch.library.opcheck(torch.ops.kernel_lab.gemm_matmul.default, (a, b, bias, "gelu", dt))
+    b_col = b.detach().t().contiguous().t()  # column-major b
+    torch.library.opcheck(torch.ops.kernel_lab.gemm_matmul.default, (a, b_col, None, "none", torch.float32))
+    x = a.detach()
+    qw = quantize_weight(testing.randn(24, 32, dtype=dt, device=kernel_device, seed=seed + 3), 4, 32, symmetric=False)
+    torch.library.opcheck(
+        torch.ops.kernel_lab.gemm_quantized_matmul.default,
+        (x, qw.qdata, qw.scales, qw.zeros, bias.detach(), qw.bits, qw.group_size),
+    )
+    g = testing.randn(32, dtype=dt, device=kernel_device, seed=seed + 4)
+    w = testing.randn(24, 32, dtype=dt, device=kernel_device, seed=seed + 5)
+    torch.library.opcheck(torch.ops.kernel_lab.gemm_rms_norm_linear.default, (x, g, w, None, 1e-6))
+    if kernel_device == "cuda" and runtime.device_info().capability >= (8, 9):
+        xq, sx = quantize_fp8(x.float(), "row")
+        wq, sw = quantize_fp8(w.float(), "row")
+        torch.library.opcheck(
+            torch.ops.kernel_lab.gemm_fp8_matmul.default, (xq, wq.t(), sx, sw.t().contiguous(), None, torch.bfloat16)
+        )
