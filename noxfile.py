@@ -6,6 +6,7 @@ gpu_tests   CUDA: the gpu and interpret tiers of every package against the machi
             and triton (`nox --no-venv -s gpu_tests` on a box whose python already has them).
 bench       pytest-benchmark over benchmarks/, history saved under benchmarks/history/<gpu-model>/;
             without CUDA it says so and runs the interpret-mode validation of every kernel.
+            Select with pytest's -k: `nox -s bench -- -k softmax`.
 compare     pytest-benchmark compare over the stored history of one GPU model.
 lint        ruff.          build   wheels of every package into dist/.
 """
@@ -51,6 +52,12 @@ def _install_local(session: nox.Session, names: list[str]) -> None:
         session.install("--no-deps", *(a for p in paths for a in ("-e", p)))
 
 
+def _has_torch(session: nox.Session) -> bool:
+    out = session.run("python", "-c", "import importlib.util as u; print(u.find_spec('torch') is not None)",
+                      silent=True, external=True)
+    return str(out).strip().endswith("True")
+
+
 def _cuda_available(session: nox.Session) -> bool:
     out = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, external=True)
     return str(out).strip().endswith("True")
@@ -92,22 +99,26 @@ def gpu_tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks vs peers on CUDA (history saved per GPU model); interpret validation otherwise."""
     _install_local(session, PACKAGES)
+    if not _has_torch(session) and not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+        session.install(*CPU_TEST_DEPS)  # a machine without torch: the CPU test stack
     if not _cuda_available(session):
         session.log(
             "No CUDA device here: benchmarks need a GPU and were NOT run. Running the interpret-mode "
             "validation of every kernel instead (real Triton kernels on the CPU interpreter)."
         )
-        if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
-            session.install(*CPU_TEST_DEPS)
         dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
         session.run("python", "-m", "pytest", *PYTEST_FLAGS, "-m", "interpret", "--kernel-lab-errors", *dirs,
                     env={"TRITON_INTERPRET": "1"})
         return
     storage = HISTORY / _gpu_slug(session)
+    # Saved as NNNN_bench-<selection>.json: benchmarks/report.py shows the latest run per name,
+    # so `nox -s bench -- -k softmax` updates the softmax rows without hiding the others.
+    selection = session.posargs[session.posargs.index("-k") + 1] if "-k" in session.posargs[:-1] else "all"
+    save_name = "bench-" + "".join(c if c.isalnum() else "-" for c in selection).strip("-")
     session.run(
         "python", "-m", "pytest", "-q", "--import-mode=importlib", str(ROOT / "benchmarks"),
         "--benchmark-timer", "kernel_lab.shared.bench.cuda_timer",
-        f"--benchmark-storage=file://{storage}", "--benchmark-autosave",
+        f"--benchmark-storage=file://{storage}", f"--benchmark-save={save_name}",
         "--benchmark-columns=median,iqr,rounds", "--benchmark-sort=name",
         *session.posargs, env={"TRITON_INTERPRET": "0"},
     )

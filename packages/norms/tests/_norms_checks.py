@@ -119,4 +119,12 @@ def check_op(op: str, inputs: dict, *, eps: float = 1e-6, offset: float = 0.0, s
     expected = ref_backward(op, inputs, grads + [None] * (2 - len(grads)), eps, offset)
     for k, g, bg in zip(names, got, base_got, strict=True):
         assert g.dtype == inputs[k].dtype and g.shape == inputs[k].shape, k
-        testing.assert_close_to_reference(g, expected[k], bg, factor=BWD_FACTOR, name=f"{op} d{k}")
+        atol = None
+        if op == "layer_norm" and k == "x" and x.shape[-1] == 1:
+            # One column: dx = rstd * (g - mean(g)) is exactly 0, the difference of two terms of size
+            # rstd * |dy * w| = |dy * w| / sqrt(eps) (~300x the inputs). On the GPU the kernel's fp32
+            # mean is one rounding away from g; allow one rounding of that size (docs/correctness.md).
+            w = inputs["weight"]
+            gw = grads[0].double() * (w.double() if w is not None else 1.0)
+            atol = torch.finfo(x.dtype).eps * float(gw.abs().max()) / eps**0.5
+        testing.assert_close_to_reference(g, expected[k], bg, factor=BWD_FACTOR, atol=atol, name=f"{op} d{k}")

@@ -302,12 +302,30 @@ def _attention_fwd_op(
     return attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
 
 
-@triton_op("kernel_lab::attention_bwd", mutates_args=())
+# The backward ops are opaque custom ops, not triton_ops: with inductor tracing into the three
+# backward kernels, dq came out wrong on an H200 (torch 2.11, triton 3.6; max error ~1e2 in
+# test_gpu_compile_fullgraph_inductor_matches_eager) while eager and aot_eager were right. As a
+# black box inductor runs the same eager launchers, which are tested. Outputs are made
+# contiguous so the fake's layout is the real one on every backend.
+
+
+def _contiguous_grads(grads):
+    return tuple(g.contiguous() for g in grads)
+
+
+@torch.library.custom_op("kernel_lab::attention_bwd", mutates_args=())
 def _attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, scale: float, left: int, right: int, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do, q, k, v, out, lse, dlse, None, None, 0, 0, scale, left, right, layout)
+    with _eager_launches():
+        return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, None, None, 0, 0, scale, left, right,
+                                               layout))
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, scale, left, right, layout):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @triton_op("kernel_lab::attention_varlen_fwd", mutates_args=())
@@ -319,14 +337,20 @@ def _attention_varlen_fwd_op(
                          "varlen")
 
 
-@triton_op("kernel_lab::attention_varlen_bwd", mutates_args=())
+@torch.library.custom_op("kernel_lab::attention_varlen_bwd", mutates_args=())
 def _attention_varlen_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, scale: float, left: int, right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         scale, left, right, "varlen")
+    with _eager_launches():
+        return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, scale, left, right, "varlen"))
+
+
+@_attention_varlen_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fixed_setup(ctx, inputs, output):
