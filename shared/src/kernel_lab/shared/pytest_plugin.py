@@ -26,18 +26,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Tag the error reports a test records with the test, for the --kernel-lab-errors table."""
+    first = len(testing.RECORDED_REPORTS)
+    yield
+    where = f"{item.path.parent.parent.name}: {item.originalname if hasattr(item, 'originalname') else item.name}"
+    _REPORT_OWNERS.extend([where] * (len(testing.RECORDED_REPORTS) - first))
+
+
+_REPORT_OWNERS: list[str] = []
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if not config.getoption("--kernel-lab-errors"):
         return
-    worst: dict[str, testing.ErrorReport] = {}
-    for r in testing.RECORDED_REPORTS:
-        if r.name not in worst or r.max_abs_error > worst[r.name].max_abs_error:
-            worst[r.name] = r
-    terminalreporter.section("kernel_lab: max error vs reference per kernel output")
-    for name, r in sorted(worst.items()):
+    worst: dict[str, tuple[testing.ErrorReport, int, bool]] = {}
+    for owner, r in zip(_REPORT_OWNERS, testing.RECORDED_REPORTS, strict=False):
+        prev, count, all_ok = worst.get(owner, (r, 0, True))
+        if r.max_rel_error >= prev.max_rel_error:
+            prev = r
+        worst[owner] = (prev, count + 1, all_ok and r.ok)
+    terminalreporter.section("kernel_lab: worst error vs the reference, per package and test")
+    for owner, (r, count, all_ok) in sorted(worst.items()):
         terminalreporter.write_line(
-            f"{name:<40} max abs {r.max_abs_error:.3e}  relative {r.max_rel_error:.3e}  "
-            f"budget {r.budget:.3e}  {'ok' if r.ok else 'FAIL'}"
+            f"{owner:<64} {count:>4} checks  worst: {r.name[:28]:<28} max abs {r.max_abs_error:.2e} "
+            f"rel {r.max_rel_error:.2e} (budget {r.budget:.2e})  {'ok' if all_ok else 'FAIL'}"
         )
 
 
