@@ -93,21 +93,19 @@ def _sdpa(q, k, v):
     return out.squeeze(2)
 
 
-_compiled_naive = None
-
-
 def _call(impl: str, st: dict):
     """A function of the layer index running `impl` once."""
-    global _compiled_naive
     q, c = st["q"], st["contiguous"]
     if impl == "sdpa":
         return lambda layer: _sdpa(q, c.k[layer], c.v[layer])
     if impl == "torch naive":
         return lambda layer: _naive(q, c.k[layer], c.v[layer])
     if impl == "torch.compile":
-        if _compiled_naive is None:
-            _compiled_naive = torch.compile(_naive)
-        return lambda layer: _compiled_naive(q, c.k[layer], c.v[layer])
+        # one static-shape compile per case: a single dynamic-shape compile shared by all cases
+        # failed in inductor ("Attempting to broadcast a dimension of length s25") on torch 2.11
+        torch._dynamo.reset()
+        compiled = torch.compile(_naive, dynamic=False)
+        return lambda layer: compiled(q, c.k[layer], c.v[layer])
     cache = {"kernel_lab": c, "kernel_lab fp8": st["fp8"], "kernel_lab paged16": st["paged"][16],
              "kernel_lab paged64": st["paged"][64]}[impl]
     return lambda layer: kv.decode_attention(q, cache, layer)

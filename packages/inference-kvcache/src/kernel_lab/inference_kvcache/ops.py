@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.library import custom_op, wrap_triton
+from torch.library import custom_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -195,7 +195,7 @@ def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, bloc
         _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
         return
     dummy = lengths  # stands in for absent optional pointers; never read (constexpr flags)
-    wrap_triton(_kv_append_kernel)[(bsz * t_new,)](
+    _kv_append_kernel[(bsz * t_new,)](
         k_new, v_new, *k_new.stride(), *v_new.stride(),
         k_cache, v_cache, *k_cache.stride(),
         lengths,
@@ -366,7 +366,7 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
     len_bucket = int(math.log2(max(1, max_chunk // num_splits)))
     work_bucket = int(math.log2(max(1, bsz * h_kv * m_tiles * num_splits)))
     grid = (bsz * h_kv * m_tiles, num_splits)
-    wrap_triton(_decode_split_kernel)[grid](
+    _decode_split_kernel[grid](
         q, *q_strides,
         k_cache, v_cache, *k_cache.stride(),
         lengths,
@@ -386,7 +386,7 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if split:
-        wrap_triton(_decode_merge_kernel)[(bsz * h_q * t_q,)](
+        _decode_merge_kernel[(bsz * h_q * t_q,)](
             o_part, lse_part, out, *out_strides, h_q, t_q, num_splits,
             HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_S=_pow2(num_splits),
             num_warps=4,
