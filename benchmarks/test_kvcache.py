@@ -126,7 +126,12 @@ def test_decode_attention(benchmark, bsz, t, impl):
     st = _setup(bsz, t)
     benchmark.group = f"decode bf16 B={bsz} T={t} Hq={H_Q} Hkv={H_KV} D={D}"
     fn = _call(impl, st)
-    out = fn(0)
+    try:
+        out = fn(0)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        # torch 2.11's inductor fails on the naive decode at batch 1 (a broadcast of the key length
+        # against the head count); the peer is reported as absent rather than as our failure.
+        pytest.skip(f"torch.compile cannot compile the naive decode for this shape: {' '.join(str(e).split())[:200]}")
     layers = itertools.cycle(range(st["layers"]))
     bench.run_cuda(benchmark, lambda: fn(next(layers)))
     bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=_bytes(impl, bsz, t),
