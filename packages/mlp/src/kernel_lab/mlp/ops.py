@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -51,14 +51,6 @@ BIAS_GRAD_TILE_ELEMENTS = 4096
 BIAS_GRAD_PROGRAMS_PER_SM = 4
 # The interpreter has no SMs; a small stand-in still exercises several row chunks on the CPU.
 INTERPRET_SM_COUNT = 2
-
-
-def _kernel(kernel, traced: bool):
-    """The launchable kernel: `kernel` itself in eager mode, `wrap_triton(kernel)` inside a
-    triton_op body (what torch.compile traces). In eager, wrap_triton dispatches every launch
-    through a higher-order op whose Python cost (about 0.1 ms per launch, measured on H200) is
-    longer than the whole kernel on mid-size inputs."""
-    return wrap_triton(kernel) if traced else kernel
 
 
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
@@ -108,7 +100,7 @@ def _launch_gated_fwd(
         return
     block_m, block_n = _blocks(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _kernel(_gated_fwd_kernel, traced)[grid](
+    runtime.launchable(_gated_fwd_kernel, traced)[grid](
         g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0),
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -128,7 +120,7 @@ def _launch_gated_bwd(
         return
     block_m, block_n = _blocks(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _kernel(_gated_bwd_kernel, traced)[grid](
+    runtime.launchable(_gated_bwd_kernel, traced)[grid](
         g2, u2, dy2, dg2, du2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
@@ -190,7 +182,7 @@ def _launch_bias_gelu_fwd(
         return
     block_m, block_n = _blocks(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _kernel(_bias_gelu_fwd_kernel, traced)[grid](
+    runtime.launchable(_bias_gelu_fwd_kernel, traced)[grid](
         x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0),
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -213,7 +205,7 @@ def _launch_bias_gelu_bwd(
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, chunks), block_m) * block_m
     chunks = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=device)
-    _kernel(_bias_gelu_bwd_kernel, traced)[(chunks, col_blocks)](
+    runtime.launchable(_bias_gelu_bwd_kernel, traced)[(chunks, col_blocks)](
         x2, bias, dy2, dx2, partial, n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0),
         rows_per_program,
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,

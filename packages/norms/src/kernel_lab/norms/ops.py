@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -60,14 +60,6 @@ LOOP_PROGRAMS_PER_SM = 4
 WIDE_PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; a small stand-in still exercises several programs on the CPU.
 INTERPRET_SM_COUNT = 4
-
-
-def _launch(kernel, via_op: bool):
-    """The kernel launcher: `wrap_triton(kernel)` inside a torch.library op (so torch.compile
-    sees the kernel), the bare kernel on the eager path. Outside a triton_op's own eager call,
-    wrap_triton goes through the higher-order-op tracing machinery on every launch, which
-    costs about 0.1 ms of CPU time, longer than the kernel for most LLM shapes."""
-    return wrap_triton(kernel) if via_op else kernel
 
 
 def _looped_grid(n_rows: int, device: torch.device) -> int:
@@ -154,7 +146,7 @@ def rms_norm_fwd(
     u2 = y2 if u is None else u.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
     grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
-    _launch(_rms_norm_fwd_kernel, via_op)[grid](
+    runtime.launchable(_rms_norm_fwd_kernel, via_op)[grid](
         x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
         n_rows, n_cols, eps, offset,
         x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
@@ -209,7 +201,7 @@ def rms_norm_bwd(
     if t.one_tile:
         n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
-        _launch(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
+        runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
             n_rows, n_cols, offset, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
@@ -219,7 +211,7 @@ def rms_norm_bwd(
         n_programs = triton.cdiv(n_rows, rows_per_program)
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
-        _launch(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
+        runtime.launchable(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial, dot,
             n_rows, n_cols, offset, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,
@@ -248,7 +240,7 @@ def layer_norm_fwd(
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
     grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
-    _launch(_layer_norm_fwd_kernel, via_op)[grid](
+    runtime.launchable(_layer_norm_fwd_kernel, via_op)[grid](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -295,14 +287,14 @@ def layer_norm_bwd(
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:
-        _launch(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
+        runtime.launchable(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
             n_rows, n_cols, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
         dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-        _launch(_layer_norm_bwd_wide_kernel, via_op)[(n_programs,)](
+        runtime.launchable(_layer_norm_bwd_wide_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial, dot,
             n_rows, n_cols, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -103,18 +103,10 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def _kernel(kernel, traceable: bool):
-    """The kernel to launch: through `wrap_triton` when torch.compile traces the op (so the
-    launch appears in the graph), else directly. Eager launches skip wrap_triton because its
-    higher-order-op dispatch costs about 140 us per launch on an H200 host, more than the
-    kernel itself on inputs of a few MB."""
-    return wrap_triton(kernel) if traceable else kernel
-
-
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
 
-    Assumes checked inputs. Output: same shape and dtype as x. `traceable`: see `_kernel`.
+    Assumes checked inputs. Output: same shape and dtype as x. `traceable`: see `runtime.launchable`.
     """
     if runtime.backend(x) == "reference":
         fn = reference.log_softmax if log else reference.softmax
@@ -126,12 +118,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         return _from_rows(y2, x, dim)
     plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N)
     if plan.kind == "rows":
-        _kernel(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
+        runtime.launchable(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        _kernel(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
+        runtime.launchable(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
             x2, y2, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
@@ -139,11 +131,11 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
         grid = (n_rows, plan.n_splits)
-        _kernel(_softmax_fwd_partial_kernel, traceable)[grid](
+        runtime.launchable(_softmax_fwd_partial_kernel, traceable)[grid](
             x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, plan.n_splits,
             BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
-        _kernel(_softmax_fwd_split_kernel, traceable)[grid](
+        runtime.launchable(_softmax_fwd_split_kernel, traceable)[grid](
             x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
@@ -163,23 +155,23 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
         return _from_rows(dx2, dy, dim)
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N)
     if plan.kind == "rows":
-        _kernel(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
+        runtime.launchable(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
-        _kernel(_softmax_bwd_looped_kernel, traceable)[(n_rows,)](
+        runtime.launchable(_softmax_bwd_looped_kernel, traceable)[(n_rows,)](
             y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     else:
         part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
         grid = (n_rows, plan.n_splits)
-        _kernel(_softmax_bwd_partial_kernel, traceable)[grid](
+        runtime.launchable(_softmax_bwd_partial_kernel, traceable)[grid](
             y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
-        _kernel(_softmax_bwd_split_kernel, traceable)[grid](
+        runtime.launchable(_softmax_bwd_split_kernel, traceable)[grid](
             y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
