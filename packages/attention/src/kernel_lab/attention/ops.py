@@ -11,7 +11,6 @@ problem with per-sequence offsets read from cu_seqlens.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import os
@@ -19,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -30,20 +29,6 @@ from ._kernels import (
     _attn_fwd_kernel,
     _rope_kernel,
 )
-
-try:  # torch >= 2.6; the switch triton_op itself uses around its eager implementation
-    from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
-except ImportError:  # pragma: no cover - older torch: every launch goes through the HOP
-    _set_wrap_triton_enabled = None
-
-
-def _eager_launches():
-    """Context of the eager fast path: `wrap_triton(kernel)[grid](...)` launches the kernel
-    directly instead of dispatching the wrap_triton higher-order op, which in eager mode costs
-    hundreds of microseconds per launch (more than a 1k-token attention). torch.compile and the
-    registered ops (fake tensors) still see the traceable path."""
-    return _set_wrap_triton_enabled(False) if _set_wrap_triton_enabled is not None else contextlib.nullcontext()
-
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("bhsd", "bshd")
@@ -157,6 +142,8 @@ def attention_fwd(
     scale: float, left: int, right: int, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the forward. Assumes checked inputs; layout "bhsd", "bshd" or "varlen".
+    Launches the kernels directly (no wrap_triton): it runs only in eager mode or inside the
+    opaque custom ops below, never under tracing (see `runtime.launchable` for the cost).
 
     Returns (out, lse): out in q's shape and dtype (contiguous in `layout`), lse float32
     (B, Hq, Tq) or, varlen, (Hq, total_q), natural-log units.
@@ -183,7 +170,7 @@ def attention_fwd(
         cu_seqlens_q = cu_seqlens_k = lse
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device)
     grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    wrap_triton(kernel)[grid](
+    kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
         *_bht_strides(out, layout), stride_lb, stride_lh,
@@ -202,7 +189,8 @@ def attention_bwd(
     scale: float, left: int, right: int, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of the backward: (dq, dk, dv) for the output gradient `do` (and, when the
-    caller used the logsumexp, its gradient `dlse`), from the forward's out and lse."""
+    caller used the logsumexp, its gradient `dlse`), from the forward's out and lse. Launches
+    directly, like `attention_fwd`."""
     varlen = layout == "varlen"
     do, q, k, v = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -228,7 +216,7 @@ def attention_bwd(
         cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
     # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
     pre_block = 64 if q.device.type == "cuda" else 32
-    wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(rows_q, pre_block) * batch * n_heads,)](
+    _attn_bwd_preprocess_kernel[(triton.cdiv(rows_q, pre_block) * batch * n_heads,)](
         out, do, delta, cu_seqlens_q, *_bht_strides(out, layout), *_bht_strides(do, layout),
         stride_lb, stride_lh, n_heads, seqlen_q, rows_q,
         IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block,
@@ -242,7 +230,7 @@ def attention_bwd(
     if rows_k > 0 and dk.numel() > 0:
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
         grid = _grid(meta, lambda m: (triton.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
-        wrap_triton(kernel)[grid](
+        kernel[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
@@ -250,7 +238,7 @@ def attention_bwd(
         )
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
     grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    wrap_triton(kernel)[grid](
+    kernel[grid](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
@@ -307,8 +295,7 @@ def _reference_bwd(do, q, k, v, dlse, cu_q, cu_k, scale, left, right, layout):
 def _attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, left: int, right: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    with _eager_launches():
-        return attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+    return attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
 
 
 @_attention_fwd_op.register_fake
@@ -326,9 +313,8 @@ def _attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, scale: float, left: int, right: int, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _eager_launches():
-        return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, None, None, 0, 0, scale, left, right,
-                                               layout))
+    return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, None, None, 0, 0, scale, left, right,
+                                           layout))
 
 
 @_attention_bwd_op.register_fake
@@ -341,9 +327,8 @@ def _attention_varlen_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, scale: float, left: int, right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    with _eager_launches():
-        return attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                             "varlen")
+    return attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+                         "varlen")
 
 
 @_attention_varlen_fwd_op.register_fake
@@ -357,9 +342,8 @@ def _attention_varlen_bwd_op(
     dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, scale: float, left: int, right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _eager_launches():
-        return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                                               max_seqlen_q, max_seqlen_k, scale, left, right, "varlen"))
+    return _contiguous_grads(attention_bwd(do, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k, scale, left, right, "varlen"))
 
 
 @_attention_varlen_bwd_op.register_fake
@@ -402,8 +386,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout):
-        with _eager_launches():
-            out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
+        out, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
         # Gradients of unused outputs arrive as None instead of zero tensors (no dlse work).
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -414,8 +397,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
-        with _eager_launches():
-            dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
+        dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -528,8 +510,7 @@ def flash_attention(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnFunction.apply(q, k, v, None, None, 0, 0, scale, left, right, layout)
     else:
-        with _eager_launches():
-            out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+        out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
     return (out, lse) if return_lse else out
 
 
@@ -608,8 +589,7 @@ def flash_attention_varlen(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnFunction.apply(q, k, v, *args, "varlen")
     else:
-        with _eager_launches():
-            out, lse = attention_fwd(q, k, v, *args, "varlen")
+        out, lse = attention_fwd(q, k, v, *args, "varlen")
     return (out, lse) if return_lse else out
 
 
@@ -663,10 +643,11 @@ def _rope_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
 def rope_fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
     interleaved: bool, rotary_dim: int, layout: str, backward: bool,
-    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None, traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: rotate q and k in one launch (backward=True applies the transposed rotation,
-    i.e. the gradient). Writes into q_out / k_out when given (in place when they are q / k)."""
+    i.e. the gradient). Writes into q_out / k_out when given (in place when they are q / k).
+    `traced`: True only from the triton_op body (see `runtime.launchable`)."""
     inplace = q_out is q  # then dims R..D already hold their values: no tail copy
     q, k = _unit_last(q), _unit_last(k)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
@@ -699,7 +680,7 @@ def rope_fwd(
     # Heads vary fastest (axis 0, up to 2**31 programs): programs running together share the
     # same cos/sin rows in L2.
     grid = (batch * (n_q_heads + n_k_heads), triton.cdiv(seqlen, block_t))
-    wrap_triton(_rope_kernel)[grid](
+    runtime.launchable(_rope_kernel, traced)[grid](
         q, k, q_out, k_out, cos, sin,
         cos if position_ids is None else position_ids,  # a placeholder pointer when unused
         seqlen, n_q_heads, n_k_heads,
@@ -720,7 +701,7 @@ def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
     interleaved: bool, rotary_dim: int, layout: str, backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, backward)
+    return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, backward, traced=True)
 
 
 def _rope_setup(ctx, inputs, output):
@@ -743,14 +724,12 @@ class _RopeFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.args = (interleaved, rotary_dim, layout)
-        with _eager_launches():
-            return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+        return rope_fwd(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, position_ids = ctx.saved_tensors
-        with _eager_launches():
-            dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
+        dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
         return dq, dk, None, None, None, None, None, None
 
 
@@ -826,11 +805,9 @@ def apply_rope(
             q.copy_(qo)
             k.copy_(ko)
             return q, k
-        with _eager_launches():
-            return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
+        return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RopeFunction.apply(q, k, cos, sin, position_ids, interleaved, r, layout)
-    with _eager_launches():
-        return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False)
+    return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False)
