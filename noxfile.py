@@ -7,7 +7,13 @@ gpu_tests   CUDA: the gpu and interpret tiers of every package against the machi
 bench       pytest-benchmark over benchmarks/, history saved under benchmarks/history/<gpu-model>/;
             without CUDA it says so and runs the interpret-mode validation of every kernel.
             Select with pytest's -k: `nox -s bench -- -k softmax`.
-compare     pytest-benchmark compare over the stored history of one GPU model.
+compare     rows that moved beyond their noise between two stored runs; `--fail-above PCT` fails on
+            a kernel_lab regression (benchmarks/compare.py; `-- --pytest-benchmark` for its own).
+docs        charts under docs/img/ and the generated tables (README results, docs/results/,
+            docs/tradeoffs.md) from the stored histories; CPU only.
+profile     CUDA + Nsight Compute: one benchmark case under ncu, .ncu-rep under profiles/, key metrics
+            printed: `nox --no-venv -s profile -- softmax -k 131072x1024`.
+sanitize    CUDA: the gpu tier under compute-sanitizer (memcheck; racecheck/initcheck on a subset).
 lint        ruff.          build   wheels of every package into dist/.
 """
 
@@ -126,22 +132,105 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_params=["--system-site-packages"])
 def compare(session: nox.Session) -> None:
-    """Compare stored runs of one GPU model: `nox -s compare -- <gpu-model> [run ids or globs...]`.
+    """Which rows moved beyond their own noise between two stored runs (benchmarks/compare.py).
 
-    With no GPU model named, uses the only one stored (or the current device's).
+    `nox -s compare` (the two newest runs of the one stored GPU model that share groups),
+    `nox -s compare -- --model nvidia-h200 0008 0009 --fail-above 5` (exit 1 when a kernel_lab row
+    got slower by more than 5% and more than its noise). `-- --pytest-benchmark [args]` runs
+    pytest-benchmark's own compare instead.
     """
     args = list(session.posargs)
-    models = sorted(p.name for p in HISTORY.iterdir() if p.is_dir()) if HISTORY.is_dir() else []
-    if args and args[0] in models:
-        model = args.pop(0)
-    elif len(models) == 1:
-        model = models[0]
-    else:
-        session.error(f"name the GPU model first: nox -s compare -- <model>; stored: {', '.join(models) or 'none'}")
+    if "--pytest-benchmark" in args:
+        args.remove("--pytest-benchmark")
+        stored = sorted(p.name for p in HISTORY.iterdir() if p.is_dir()) if HISTORY.is_dir() else []
+        model = args.pop(0) if args and args[0] in stored else (stored[0] if len(stored) == 1 else None)
+        if model is None:
+            session.error(f"name the GPU model: nox -s compare -- --pytest-benchmark <model>; stored: {stored}")
+        if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+            session.install("pytest-benchmark>=4")
+        session.run("pytest-benchmark", f"--storage=file://{HISTORY / model}", "compare", *args,
+                    "--group-by=group", "--columns=median,iqr,rounds", "--sort=name", external=True)
+        return
+    session.run("python", str(ROOT / "benchmarks" / "compare.py"), *args, external=True)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Charts (docs/img/*.png) and generated tables (README results, docs/results/, docs/tradeoffs.md)
+    from the stored histories; CPU only, never measures anything."""
     if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
-        session.install("pytest-benchmark>=4")
-    session.run("pytest-benchmark", f"--storage=file://{HISTORY / model}", "compare", *args,
-                "--group-by=group", "--columns=median,iqr,rounds", "--sort=name", external=True)
+        session.install("matplotlib>=3.7")
+    session.run("python", str(ROOT / "benchmarks" / "plots.py"))
+    session.run("python", str(ROOT / "benchmarks" / "report.py"), "--write", silent=True)
+    session.log("wrote docs/img/, docs/results/, README.md's results section and docs/tradeoffs.md's tables")
+
+
+def _require_cuda_tool(session: nox.Session, tool: str) -> str:
+    """The CUDA toolkit binary `tool` (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin) and a CUDA device, or stop."""
+    import shutil
+
+    if not _has_torch(session) or not _cuda_available(session):
+        session.error(f"{session.name} needs a CUDA device and a CUDA torch: torch.cuda.is_available() is False "
+                      "here (nothing was run)")
+    dirs = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    found = shutil.which(tool) or next(
+        (str(Path(d) / "bin" / tool) for d in dirs if d and (Path(d) / "bin" / tool).is_file()), None)
+    if found is None:
+        session.error(f"{session.name} needs `{tool}` from the CUDA toolkit / Nsight Compute: not on PATH, "
+                      "$CUDA_HOME/bin or /usr/local/cuda/bin (nothing was run)")
+    return found
+
+
+@nox.session(name="profile", venv_params=["--system-site-packages"])
+def profile_(session: nox.Session) -> None:
+    """One benchmark case under Nsight Compute: `nox --no-venv -s profile -- softmax [-k 131072x1024]`.
+
+    Writes profiles/<package>-<case>.ncu-rep (git-ignored; open it in the Nsight Compute GUI) and
+    prints occupancy, DRAM % of peak, L2 hit rate, tensor-pipe use, top warp stalls, registers,
+    shared memory and local-memory (spill) traffic per kernel. See docs/profiling.md.
+    """
+    _install_local(session, PACKAGES)
+    ncu = _require_cuda_tool(session, "ncu")
+    session.run("python", str(ROOT / "benchmarks" / "profile.py"), "--ncu", ncu, *session.posargs,
+                external=True, env={"TRITON_INTERPRET": "0"})
+
+
+# Tests whose kernels use shared memory (reductions across warps, tl.dot tiles): racecheck/initcheck.
+SANITIZE_SUBSET = ["softmax", "norms", "attention"]
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def sanitize(session: nox.Session) -> None:
+    """The gpu tier under compute-sanitizer; fails on any report.
+
+    memcheck over every package's gpu tests, then racecheck and initcheck over softmax, norms and
+    attention. `nox --no-venv -s sanitize -- -k <expr>` narrows the tests (passed to pytest);
+    KERNEL_LAB_SANITIZE_TOOLS=memcheck runs one tool only.
+    """
+    _install_local(session, PACKAGES)
+    sanitizer = _require_cuda_tool(session, "compute-sanitizer")
+    tools = os.environ.get("KERNEL_LAB_SANITIZE_TOOLS", "memcheck,racecheck,initcheck").split(",")
+    all_dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
+    subset = [str(ROOT / "packages" / p / "tests") for p in SANITIZE_SUBSET if p in PACKAGES]
+    # No caching allocator: memcheck then sees each tensor's own allocation, so an out-of-bounds
+    # access into a neighbouring block of the cache is reported instead of hidden.
+    env = {"TRITON_INTERPRET": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    failed = []
+    for tool in tools:
+        dirs = all_dirs if tool == "memcheck" else subset
+        # (no --leak-check: torch keeps its context, handles and module-level tensors to exit)
+        extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
+               "--print-limit", "100", *extra,
+               "python", "-m", "pytest", *PYTEST_FLAGS, "-p", "no:cacheprovider", "-m", "gpu", *dirs,
+               *session.posargs]
+        session.log(f"compute-sanitizer --tool {tool} over {len(dirs)} package(s)")
+        try:
+            session.run(*cmd, external=True, env=env)
+        except nox.command.CommandFailed:
+            failed.append(tool)
+    if failed:
+        session.error(f"compute-sanitizer reported errors (or tests failed) under: {', '.join(failed)}")
 
 
 @nox.session
