@@ -8,38 +8,21 @@ softmax math in fp32 then (a GPU run failed on exactly that). Under TRITON_INTER
 kernels are interpreter objects, so one test reruns this file with the interpreter off.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from kernel_lab.attention import _kernels  # noqa: E402
-from kernel_lab.shared import runtime  # noqa: E402
+from kernel_lab.shared import testing  # noqa: E402
 
-SM90 = GPUTarget("cuda", 90, 32)
 SCALARS = ("qk_scale", "sm_scale")
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict, *, float_type="fp32", num_warps=8, num_stages=3):
     """Compile `fn` for sm_90: pointers typed by `pointers`, scale args `float_type`, strides
     i64, other ints i32."""
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-        elif name in SCALARS:
-            sig[name] = float_type
-        else:
-            sig[name] = "i64" if name.startswith("stride") else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    types = {**pointers, **dict.fromkeys(SCALARS, float_type)}
+    return testing.compile_for_sm90(fn, types, constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
 def _ptrs(dtype, names):
@@ -48,25 +31,11 @@ def _ptrs(dtype, names):
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_backend(request):
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("the triton wheel has no CUDA backend")
-    if runtime.interpret_mode() and request.node.name != "test_rerun_without_interpreter":
-        pytest.skip("kernels are interpreter objects here; test_rerun_without_interpreter compiles them")
+    testing.require_sm90_compiler(request.node.name)
 
 
 def test_rerun_without_interpreter():
-    if not runtime.interpret_mode():
-        pytest.skip("the compile tests below run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    summary = res.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and ("skipped" not in summary or "1 skipped" in summary), summary
+    testing.rerun_without_interpreter(__file__, timeout=900)
 
 
 FWD_NAMES = ("Q", "K", "V", "Out", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K")

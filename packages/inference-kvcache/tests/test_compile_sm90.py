@@ -7,66 +7,26 @@ Under TRITON_INTERPRET=1 (CI) the kernels are interpreter objects, so one test r
 in a subprocess with the interpreter off.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+pytest.importorskip("triton")
 
-from kernel_lab.inference_kvcache import _kernels  # noqa: E402
-from kernel_lab.shared import runtime  # noqa: E402
-
-SM90 = GPUTarget("cuda", 90, 32)
-
-
-def _jit(fn) -> JITFunction:
-    while not isinstance(fn, JITFunction):  # through @triton.autotune
-        fn = fn.fn
-    return fn
+from kernel_lab.inference_kvcache import _kernels
+from kernel_lab.shared import testing
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict, *, num_warps=4, num_stages=2):
-    """Compile `fn`: pointer args typed by `pointers`, strides i64, other ints i32."""
-    fn = _jit(fn)
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-        else:
-            sig[name] = "i64" if name.startswith("stride") else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    """Compile `fn` for sm_90: args typed by `pointers`, strides i64, other ints i32."""
+    return testing.compile_for_sm90(fn, pointers, constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_backend(request):
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("the triton wheel has no CUDA backend")
-    if runtime.interpret_mode() and request.node.name != "test_rerun_without_interpreter":
-        pytest.skip("kernels are interpreter objects here; test_rerun_without_interpreter compiles them")
+    testing.require_sm90_compiler(request.node.name)
 
 
 def test_rerun_without_interpreter():
-    if not runtime.interpret_mode():
-        pytest.skip("the compile tests below run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    # Only this test itself may skip there: every compile test must have run.
-    summary = res.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and ("skipped" not in summary or "1 skipped" in summary), summary
+    testing.rerun_without_interpreter(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("cache_dtype,paged", [("fp16", False), ("fp8e4nv", True)])

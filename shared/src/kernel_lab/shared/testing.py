@@ -18,6 +18,9 @@ interpret mode the default atol adds one bf16 ulp of max|ref| (docs/correctness.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +32,14 @@ __all__ = [
     "RECORDED_REPORTS",
     "ErrorReport",
     "assert_close_to_reference",
+    "compile_for_sm90",
     "error_report",
     "make_generator",
     "poison_",
     "poisoned",
     "randn",
+    "require_sm90_compiler",
+    "rerun_without_interpreter",
     "strided_rows",
     "transposed_copy",
 ]
@@ -223,3 +229,79 @@ def assert_close_to_reference(
     if not report.ok:
         raise AssertionError(str(report))
     return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling kernels for sm_90 without a GPU
+# ----------------------------------------------------------------------------------------------
+#
+# The interpreter runs kernels as Python and accepts code the compiler rejects (a plain Python
+# global read inside a kernel, fp64 math from inductor's float arguments: each cost a GPU run).
+# triton.compile with an explicit target lowers to PTX and cubin on any machine whose triton
+# wheel has the CUDA backend. Under TRITON_INTERPRET=1 (CI) the kernels are interpreter objects,
+# so a test file of such compiles reruns itself in a subprocess with the interpreter off.
+
+RERUN_TEST_NAME = "test_rerun_without_interpreter"
+
+
+def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int):
+    """Compile the Triton kernel `fn` for an H100/H200 (sm_90) on this machine, GPU or not.
+
+    fn: a @triton.jit function, also through @triton.autotune / @triton.heuristics; it must not
+    be an interpreter object (call this with TRITON_INTERPRET off, see `require_sm90_compiler`).
+    Argument types: "constexpr" (with its value from `constexprs`) for names in `constexprs`,
+    else `types[name]` where given (pointers "*bf16", "*i32"; scalars "fp32", "fp64"), else
+    "i64" for names starting with "stride" and "i32" for the other integers.
+    Returns triton's compiled kernel: `.asm` holds "ptx" and "cubin".
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(fn, JITFunction):  # through @triton.autotune / @triton.heuristics
+        fn = fn.fn
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        else:
+            sig[name] = "i64" if name.startswith("stride") else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    sm90 = GPUTarget("cuda", 90, 32)  # capability 9.0, 32-thread warps
+    return triton.compile(src, target=sm90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def require_sm90_compiler(test_name: str) -> None:
+    """Skip the calling test (pytest.skip) unless `compile_for_sm90` can run in this process:
+    the triton wheel needs its CUDA backend, and under TRITON_INTERPRET=1 the kernels are
+    interpreter objects, so only the test named `test_rerun_without_interpreter` (which calls
+    `rerun_without_interpreter`) runs then. For an autouse fixture: pass `request.node.name`.
+    """
+    import pytest
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("the triton wheel has no CUDA backend")
+    if runtime.interpret_mode() and test_name != RERUN_TEST_NAME:
+        pytest.skip(f"kernels are interpreter objects here; {RERUN_TEST_NAME} compiles them")
+
+
+def rerun_without_interpreter(test_file: str, *, timeout: float) -> None:
+    """Run pytest on `test_file` in a subprocess with TRITON_INTERPRET=0 and assert that every
+    compile test there passed (only the rerun test itself may skip). Skips (pytest.skip) when the
+    interpreter is already off: the compile tests then run in this process."""
+    import pytest
+
+    if not runtime.interpret_mode():
+        pytest.skip("the compile tests below run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", test_file],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    summary = res.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and ("skipped" not in summary or "1 skipped" in summary), summary
