@@ -189,9 +189,9 @@ def profile_(session: nox.Session) -> None:
     prints occupancy, DRAM % of peak, L2 hit rate, tensor-pipe use, top warp stalls, registers,
     shared memory and local-memory (spill) traffic per kernel. See docs/profiling.md.
     """
-    _install_local(session, PACKAGES)
     ncu = _require_cuda_tool(session, "ncu")
-    session.run("python", str(ROOT / "benchmarks" / "profile.py"), "--ncu", ncu, *session.posargs,
+    _install_local(session, PACKAGES)
+    session.run("python", str(ROOT / "benchmarks" / "ncu_profile.py"), "--ncu", ncu, *session.posargs,
                 external=True, env={"TRITON_INTERPRET": "0"})
 
 
@@ -207,8 +207,8 @@ def sanitize(session: nox.Session) -> None:
     attention. `nox --no-venv -s sanitize -- -k <expr>` narrows the tests (passed to pytest);
     KERNEL_LAB_SANITIZE_TOOLS=memcheck runs one tool only.
     """
-    _install_local(session, PACKAGES)
     sanitizer = _require_cuda_tool(session, "compute-sanitizer")
+    _install_local(session, PACKAGES)
     tools = os.environ.get("KERNEL_LAB_SANITIZE_TOOLS", "memcheck,racecheck,initcheck").split(",")
     all_dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
     subset = [str(ROOT / "packages" / p / "tests") for p in SANITIZE_SUBSET if p in PACKAGES]
