@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _safe_shift(m):
     """The max to subtract: 0 where the running max is still -inf (nothing finite seen yet)."""
