@@ -33,6 +33,15 @@ def test_layer_norm_reference_matches_torch_layer_norm(seed, affine):
     torch.testing.assert_close(reference.layer_norm(x, w, b, 1e-5), F.layer_norm(x, (53,), w, b, 1e-5), **F64)
 
 
+def test_norm_statistics_references_match_torch_var_mean(seed):
+    x = randn(3, 4, 41, dtype=torch.float64, seed=seed, scale=2.0) + 3.0
+    var, mean = torch.var_mean(x, dim=-1, correction=0)
+    ref_mean, ref_rstd = reference.layer_norm_stats(x, 1e-5)
+    torch.testing.assert_close(ref_mean, mean, **F64)
+    torch.testing.assert_close(ref_rstd, (var + 1e-5).rsqrt(), **F64)
+    torch.testing.assert_close(reference.rms_norm_rstd(x, 1e-6), (x.square().mean(-1) + 1e-6).rsqrt(), **F64)
+
+
 def test_residual_rms_norm_reference_returns_sum_and_its_norm(seed):
     x = randn(2, 7, 40, dtype=torch.float64, seed=seed)
     r = randn(2, 7, 40, dtype=torch.float64, seed=seed + 1)

@@ -127,7 +127,7 @@ def rms_norm_fwd(
     n_cols = x.shape[-1]
     if runtime.backend(x) == "reference":
         xf = x.float() if residual is None else x.float() + residual.float()
-        rstd = torch.rsqrt(xf.square().mean(-1) + eps).reshape(-1)
+        rstd = reference.rms_norm_rstd(xf, eps, compute_dtype=torch.float32).reshape(-1)
         if gate is not None:
             y = reference.rms_norm_gated(xf, gate, weight, eps, compute_dtype=torch.float32)
         else:
@@ -226,8 +226,7 @@ def layer_norm_fwd(
     n_cols = x.shape[-1]
     if runtime.backend(x) == "reference":
         xf = x.float()
-        mean = xf.mean(-1)
-        rstd = torch.rsqrt((xf - mean[..., None]).square().mean(-1) + eps)
+        mean, rstd = reference.layer_norm_stats(xf, eps, compute_dtype=torch.float32)
         y = reference.layer_norm(xf, weight, bias, eps, compute_dtype=torch.float32)
         return y.to(x.dtype), mean.reshape(-1), rstd.reshape(-1)
     x2 = _as_rows(x)

@@ -49,12 +49,14 @@ from .mlp import (
 from .norms import (
     layer_norm,
     layer_norm_backward,
+    layer_norm_stats,
     residual_rms_norm,
     residual_rms_norm_backward,
     rms_norm,
     rms_norm_backward,
     rms_norm_gated,
     rms_norm_gated_backward,
+    rms_norm_rstd,
 )
 from .optim_adamw import adamw_step
 from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
@@ -84,6 +86,7 @@ __all__ = [
     "gelu_backward",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_stats",
     "log_softmax",
     "log_softmax_backward",
     "matmul",
@@ -97,6 +100,7 @@ __all__ = [
     "rms_norm_gated",
     "rms_norm_gated_backward",
     "rms_norm_linear",
+    "rms_norm_rstd",
     "rope",
     "rope_backward",
     "silu",

@@ -14,12 +14,14 @@ import torch
 __all__ = [
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_stats",
     "residual_rms_norm",
     "residual_rms_norm_backward",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_rstd",
 ]
 
 
@@ -27,9 +29,27 @@ def _cast(*tensors: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tenso
     return [None if t is None else t.to(dtype) for t in tensors]
 
 
+def rms_norm_rstd(x: torch.Tensor, eps: float = 1e-6, *, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The per-row statistic of `rms_norm`: rstd = 1 / sqrt(mean(x^2) + eps) over the last dim,
+    shape x.shape[:-1] (what a kernel saves for the backward)."""
+    x = x.to(compute_dtype)
+    return torch.rsqrt(x.square().mean(dim=-1) + eps)
+
+
+def layer_norm_stats(
+    x: torch.Tensor, eps: float = 1e-5, *, compute_dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row statistics of `layer_norm`: (mean, rstd) with mean = mean(x) and
+    rstd = 1 / sqrt(var(x) + eps) (biased variance) over the last dim, each x.shape[:-1]."""
+    x = x.to(compute_dtype)
+    mean = x.mean(dim=-1)
+    rstd = torch.rsqrt((x - mean[..., None]).square().mean(dim=-1) + eps)
+    return mean, rstd
+
+
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(mean(x^2) + eps) over the last dim, keepdim."""
-    return torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    """`rms_norm_rstd` in x's dtype, keepdim."""
+    return rms_norm_rstd(x, eps, compute_dtype=x.dtype)[..., None]
 
 
 def rms_norm(
@@ -79,9 +99,8 @@ def layer_norm(
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last dim (biased variance,
     as torch.nn.functional.layer_norm); weight / bias may be None."""
     x, weight, bias = _cast(x, weight, bias, dtype=compute_dtype)
-    mean = x.mean(dim=-1, keepdim=True)
-    var = (x - mean).square().mean(dim=-1, keepdim=True)
-    y = (x - mean) * torch.rsqrt(var + eps)
+    mean, rstd = layer_norm_stats(x, eps, compute_dtype=compute_dtype)
+    y = (x - mean[..., None]) * rstd[..., None]
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -102,8 +121,7 @@ def layer_norm_backward(
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dweight = sum dy * xhat; dbias = sum dy."""
     dy, x, weight = _cast(dy, x, weight, dtype=compute_dtype)
     n = x.shape[-1]
-    mean = x.mean(dim=-1, keepdim=True)
-    rstd = torch.rsqrt((x - mean).square().mean(dim=-1, keepdim=True) + eps)
+    mean, rstd = (stat[..., None] for stat in layer_norm_stats(x, eps, compute_dtype=compute_dtype))
     xhat = (x - mean) * rstd
     g = dy if weight is None else dy * weight
     dx = rstd * (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True))
