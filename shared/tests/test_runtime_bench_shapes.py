@@ -14,6 +14,17 @@ def test_backend_on_cpu_follows_the_interpreter_flag(monkeypatch):
     assert runtime.backend(x) == "reference"
 
 
+def test_check_backend_names_the_op_and_the_bad_choice(monkeypatch):
+    x = torch.zeros(1)
+    runtime.check_backend("op", None, x)
+    runtime.check_backend("op", "reference", x)
+    with pytest.raises(ValueError, match="op: backend must be None, 'triton' or 'reference', got 'cuda'"):
+        runtime.check_backend("op", "cuda", x)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"op: backend='triton' needs a CUDA tensor.*; q is on cpu"):
+        runtime.check_backend("op", "triton", x, "q")
+
+
 def test_launchable_wraps_only_traced_launches():
     triton = pytest.importorskip("triton")
 

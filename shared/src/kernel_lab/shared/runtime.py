@@ -27,6 +27,7 @@ from torch.library import wrap_triton
 __all__ = [
     "DeviceInfo",
     "backend",
+    "check_backend",
     "cuda_available",
     "device_info",
     "interpret_mode",
@@ -73,6 +74,21 @@ def backend(x: torch.Tensor) -> str:
 def uses_triton(x: torch.Tensor) -> bool:
     """True when `backend(x)` runs a Triton kernel (compiled or interpreted)."""
     return backend(x) != "reference"
+
+
+def check_backend(op: str, requested: str | None, x: torch.Tensor, arg: str = "the input") -> None:
+    """Check a public op's `backend=` argument: None (pick by device), "triton" or "reference".
+
+    Raises ValueError naming `op` for any other value, and for "triton" where `uses_triton(x)`
+    is False (the op would silently run the reference); `arg` names x in that message.
+    """
+    if requested not in (None, "triton", "reference"):
+        raise ValueError(f"{op}: backend must be None, 'triton' or 'reference', got {requested!r}")
+    if requested == "triton" and not uses_triton(x):
+        raise ValueError(
+            f"{op}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
+            f"before importing kernel_lab); {arg} is on {x.device} and would run the PyTorch reference"
+        )
 
 
 def launchable(kernel, traced: bool):

@@ -406,16 +406,6 @@ class _FlashAttnFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_backend(backend: str | None, x: torch.Tensor, name: str) -> None:
-    if backend not in (None, "triton", "reference"):
-        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" and not runtime.uses_triton(x):
-        raise ValueError(
-            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
-            f"before importing kernel_lab); q is on {x.device} and would run the PyTorch reference"
-        )
-
-
 def _check_qkv(q, k, v, ndim: int, name: str) -> None:
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -495,7 +485,7 @@ def flash_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: layout must be 'bhsd' or 'bshd', got {layout!r}")
     scale = _check_scalars(causal, scale, window, name)
-    _check_backend(backend, q, name)
+    runtime.check_backend(name, backend, q, "q")
     bq, hq, _ = _dims(q, layout)
     bk, hkv, _ = _dims(k, layout)
     if bq != bk:
@@ -569,7 +559,7 @@ def flash_attention_varlen(
     name = "flash_attention_varlen"
     _check_qkv(q, k, v, 3, name)
     scale = _check_scalars(causal, scale, window, name)
-    _check_backend(backend, q, name)
+    runtime.check_backend(name, backend, q, "q")
     _check_heads(q.shape[1], k.shape[1], name)
     _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, q, name)
     _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, q, name)

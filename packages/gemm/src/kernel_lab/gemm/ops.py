@@ -530,16 +530,6 @@ def _check_same_device(op: str, ref: torch.Tensor, **others) -> None:
             raise ValueError(f"{op}: {name} is on {t.device} but the input is on {ref.device}")
 
 
-def _check_backend(op: str, x: torch.Tensor, backend: str | None) -> None:
-    if backend not in (None, "triton", "reference"):
-        raise ValueError(f"{op}: backend must be None, 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" and not runtime.uses_triton(x):
-        raise ValueError(
-            f"{op}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
-            f"before importing kernel_lab); the input is on {x.device} and would run the PyTorch reference"
-        )
-
-
 def _check_bias(op: str, bias, n: int, dtypes=(*SUPPORTED_DTYPES, torch.float32)) -> None:
     if bias is None:
         return
@@ -597,7 +587,7 @@ def matmul(
     out_dtype = a.dtype if out_dtype is None else out_dtype
     _check_out_dtype(op, out_dtype)
     _check_same_device(op, a, b=b, bias=bias)
-    _check_backend(op, a, backend)
+    runtime.check_backend(op, backend, a)
     act = "none" if activation is None else activation
     lead = a.shape[:-1]
     a2 = a.reshape(math.prod(lead), a.shape[-1])
@@ -657,7 +647,7 @@ def fp8_matmul(
     _check_bias(op, bias, n)
     _check_out_dtype(op, out_dtype)
     _check_same_device(op, a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    _check_backend(op, a, backend)
+    runtime.check_backend(op, backend, a)
     if a.device.type == "cuda" and not _fp8_supported(a.device):
         cap = runtime.device_info(a.device.index).capability
         raise RuntimeError(f"{op}: float8 matmul needs compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}")
@@ -809,7 +799,7 @@ def quantized_matmul(
         raise ValueError(f"{op}: K mismatch: x is {tuple(x.shape)} (K={x.shape[-1]}), qweight is (N, K) = {(n, k)}")
     _check_bias(op, bias, n)
     _check_same_device(op, x, qdata=qweight.qdata, scales=qweight.scales, zeros=qweight.zeros, bias=bias)
-    _check_backend(op, x, backend)
+    runtime.check_backend(op, backend, x)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
     args = (qweight.qdata, qweight.scales, qweight.zeros, bias, qweight.bits, qweight.group_size)
@@ -863,7 +853,7 @@ def rms_norm_linear(
         raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
     _check_bias(op, bias, weight.shape[0])
     _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)
-    _check_backend(op, x, backend)
+    runtime.check_backend(op, backend, x)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
     if backend == "reference":

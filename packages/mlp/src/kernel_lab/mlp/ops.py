@@ -362,16 +362,6 @@ def _check_like(name: str, arg: str, t: torch.Tensor, ref_arg: str, ref: torch.T
         raise ValueError(f"{name}: {arg} is on {t.device} but {ref_arg} is on {ref.device}; expected one device")
 
 
-def _check_backend(name: str, backend: str | None, x: torch.Tensor) -> None:
-    if backend not in (None, "triton", "reference"):
-        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" and not runtime.uses_triton(x):
-        raise ValueError(
-            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
-            f"before importing kernel_lab); the input is on {x.device} and would run the PyTorch reference"
-        )
-
-
 def _check_approximate(name: str, approximate: str) -> str:
     if approximate not in ("none", "tanh"):
         raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -388,7 +378,7 @@ def _gated(name: str, gate, up, activation: str, backend: str | None) -> torch.T
     _check_like(name, "up", up, "gate", gate)
     if gate.shape != up.shape:
         raise ValueError(f"{name}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    _check_backend(name, backend, gate)
+    runtime.check_backend(name, backend, gate)
     if backend == "reference":
         return _reference_gated_fwd(gate, up, activation)
     if torch.compiler.is_compiling():
@@ -402,7 +392,7 @@ def _gated_packed(name: str, x, activation: str, backend: str | None) -> torch.T
     _check_tensor(name, "x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"{name}: x must have an even last dim (..., 2 * d), got shape {tuple(x.shape)}")
-    _check_backend(name, backend, x)
+    runtime.check_backend(name, backend, x)
     if backend == "reference":
         return _reference_gated_fwd(*_split(x), activation)
     if torch.compiler.is_compiling():
@@ -480,7 +470,7 @@ def bias_gelu(
     if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"{name}: bias must have shape ({x.shape[-1]},) to match x.shape[-1], got {tuple(bias.shape)}")
     activation = _check_approximate(name, approximate)
-    _check_backend(name, backend, x)
+    runtime.check_backend(name, backend, x)
     if backend == "reference":
         return reference.bias_gelu(x, bias, approximate, compute_dtype=torch.float32).to(x.dtype)
     if torch.compiler.is_compiling():

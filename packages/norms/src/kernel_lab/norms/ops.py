@@ -492,13 +492,7 @@ def _check(
             raise ValueError(f"{name}: {arg} must be finite, got {v}")
     if eps <= 0:
         raise ValueError(f"{name}: eps must be > 0 (it keeps 1/sqrt(. + eps) finite), got {eps}")
-    if backend not in (None, "triton", "reference"):
-        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" and not runtime.uses_triton(x):
-        raise ValueError(
-            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
-            f"before importing kernel_lab); x is on {x.device} and would run the PyTorch reference"
-        )
+    runtime.check_backend(name, backend, x, "x")
     return float(eps), float(offset)
 
 

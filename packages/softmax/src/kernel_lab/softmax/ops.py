@@ -233,13 +233,7 @@ def _check(x: torch.Tensor, dim: int, backend: str | None, name: str) -> int:
     ndim = max(x.ndim, 1)
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}: dim {dim} is out of range for a tensor of {x.ndim} dims")
-    if backend not in (None, "triton", "reference"):
-        raise ValueError(f"{name}: backend must be None, 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" and not runtime.uses_triton(x):
-        raise ValueError(
-            f"{name}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
-            f"before importing kernel_lab); x is on {x.device} and would run the PyTorch reference"
-        )
+    runtime.check_backend(name, backend, x, "x")
     return dim % ndim
 
 
