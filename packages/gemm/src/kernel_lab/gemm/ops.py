@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
 
@@ -138,12 +138,13 @@ def _skinny_plan(
     return _SkinnyPlan(block_m, block_n, _cdiv(k, k_per_split), k_per_split)
 
 
-def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none"):
+def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none",
+            traced=False):
     """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
     n_splits, m, n = ws.shape
     block_m = min(16, max(1, _next_pow2(m)))
     dummy = c
-    wrap_triton(_splitk_reduce_kernel)[(_cdiv(m, block_m), _cdiv(n, REDUCE_BLOCK_N))](
+    runtime.launchable(_splitk_reduce_kernel, traced)[(_cdiv(m, block_m), _cdiv(n, REDUCE_BLOCK_N))](
         ws, c, dummy if ssq is None else ssq,
         dummy if bias is None else bias,
         dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,
@@ -231,13 +232,14 @@ def matmul_fwd(
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     allow_tma: bool = True,
+    traced: bool = False,
 ) -> torch.Tensor:
     """Launcher: act((a @ b) * scale_a * scale_b + bias) -> (M, N) of out_dtype.
 
     a: (M, K), b: (K, N), any strides; scale_a: one element or (M, 1); scale_b: one element or
     (1, N) (fp8 only). allow_tma: on Hopper, prefill shapes with TMA-compatible layouts run the
     persistent TMA kernel (host tensor descriptors: eager mode only; the torch.library op
-    passes False).
+    passes False). traced: True only inside the triton_op bodies (see runtime.launchable).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -264,14 +266,14 @@ def matmul_fwd(
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
-        wrap_triton(kernel)[plan.grid(m, n)](
+        runtime.launchable(kernel, traced)[plan.grid(m, n)](
             a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             stride_sa, stride_sb, ws.stride(0) if plan.split_k > 1 else 0, plan.k_per_split,
             WRITE_PARTIAL=plan.split_k > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra, **common,
         )
         if plan.split_k > 1:
-            _reduce(ws, c, bias=bias, scale_a=scale_a, scale_b=scale_b, activation=activation)
+            _reduce(ws, c, bias=bias, scale_a=scale_a, scale_b=scale_b, activation=activation, traced=traced)
         return c
     args = (
         a, b, c, bias_arg, sa, sb, m, n, k, _m_bucket(m),
@@ -280,7 +282,7 @@ def matmul_fwd(
     )
     if interpret:
         grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
-        wrap_triton(_matmul_kernel)[grid](
+        runtime.launchable(_matmul_kernel, traced)[grid](
             *args, WRITE_PARTIAL=False, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
             GROUP_M=2, **common,
         )
@@ -296,7 +298,7 @@ def matmul_fwd(
     def grid(meta):
         return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
 
-    wrap_triton(kernel)[grid](*args, WRITE_PARTIAL=False, **common)
+    runtime.launchable(kernel, traced)[grid](*args, WRITE_PARTIAL=False, **common)
     return c
 
 
@@ -308,8 +310,9 @@ def quantized_matmul_fwd(
     bias: torch.Tensor | None,
     bits: int,
     group_size: int,
+    traced: bool = False,
 ) -> torch.Tensor:
-    """Launcher: x (M, K) @ dequant(qweight)^T + bias -> (M, N) of x.dtype."""
+    """Launcher: x (M, K) @ dequant(qweight)^T + bias -> (M, N) of x.dtype (traced: see matmul_fwd)."""
     m, k = x.shape
     n = qdata.shape[0]
     be = runtime.backend(x)
@@ -343,7 +346,7 @@ def quantized_matmul_fwd(
         launch = {} if interpret else dict(num_warps=8, num_stages=3)
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(m, block_m) * _cdiv(n, block_n), split_k)
-    wrap_triton(kernel)[grid](
+    runtime.launchable(kernel, traced)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
         m, n, k, _m_bucket(m),
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
@@ -352,14 +355,16 @@ def quantized_matmul_fwd(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, **launch,
     )
     if split_k > 1:
-        _reduce(ws, c, bias=bias)
+        _reduce(ws, c, bias=bias, traced=traced)
     return c
 
 
 def rms_norm_linear_fwd(
-    x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+    traced: bool = False,
 ) -> torch.Tensor:
-    """Launcher: rms_norm(x, norm_weight, eps) @ weight^T + bias; x (M, K), weight (N, K)."""
+    """Launcher: rms_norm(x, norm_weight, eps) @ weight^T + bias; x (M, K), weight (N, K) (traced: see
+    matmul_fwd)."""
     m, k = x.shape
     n = weight.shape[0]
     be = runtime.backend(x)
@@ -380,14 +385,14 @@ def rms_norm_linear_fwd(
         ssq = c if split == 1 else torch.empty((split, m), dtype=torch.float32, device=x.device)
         kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
-        wrap_triton(kernel)[plan.grid(m, n)](
+        runtime.launchable(kernel, traced)[plan.grid(m, n)](
             x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
             x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             ws.stride(0) if split > 1 else 0, ssq.stride(0) if split > 1 else 0, plan.k_per_split, eps,
             HAS_BIAS=bias is not None, WRITE_PARTIAL=split > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
         )
         if split > 1:
-            _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps)
+            _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps, traced=traced)
         return c
     args = (
         x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
@@ -395,7 +400,7 @@ def rms_norm_linear_fwd(
     )
     if interpret:
         grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
-        wrap_triton(_rms_norm_linear_kernel)[grid](
+        runtime.launchable(_rms_norm_linear_kernel, traced)[grid](
             *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
             BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
         )
@@ -404,7 +409,9 @@ def rms_norm_linear_fwd(
     def grid(meta):
         return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
 
-    wrap_triton(_rms_norm_linear_kernel_prefill)[grid](*args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False)
+    runtime.launchable(_rms_norm_linear_kernel_prefill, traced)[grid](
+        *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False
+    )
     return c
 
 
@@ -435,7 +442,7 @@ def matmul_bwd(
 def _matmul_op(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    return matmul_fwd(a, b, bias, activation, out_dtype, allow_tma=False)
+    return matmul_fwd(a, b, bias, activation, out_dtype, allow_tma=False, traced=True)
 
 
 @triton_op("kernel_lab::gemm_fp8_matmul", mutates_args=())
@@ -447,7 +454,7 @@ def _fp8_matmul_op(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b, allow_tma=False)
+    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b, allow_tma=False, traced=True)
 
 
 @triton_op("kernel_lab::gemm_quantized_matmul", mutates_args=())
@@ -460,14 +467,14 @@ def _quantized_matmul_op(
     bits: int,
     group_size: int,
 ) -> torch.Tensor:
-    return quantized_matmul_fwd(x, qdata, scales, zeros, bias, bits, group_size)
+    return quantized_matmul_fwd(x, qdata, scales, zeros, bias, bits, group_size, traced=True)
 
 
 @triton_op("kernel_lab::gemm_rms_norm_linear", mutates_args=())
 def _rms_norm_linear_op(
     x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    return rms_norm_linear_fwd(x, norm_weight, weight, bias, eps)
+    return rms_norm_linear_fwd(x, norm_weight, weight, bias, eps, traced=True)
 
 
 def _matmul_setup_context(ctx, inputs, output):
