@@ -13,7 +13,7 @@ docs        charts under docs/img/ and the generated tables (README results, doc
             docs/tradeoffs.md) from the stored histories; CPU only.
 profile     CUDA + Nsight Compute: one benchmark case under ncu, .ncu-rep under profiles/, key metrics
             printed: `nox --no-venv -s profile -- softmax -k 131072x1024`.
-sanitize    CUDA: the gpu tier under compute-sanitizer (memcheck; racecheck/initcheck on a subset).
+sanitize    CUDA: every kernel under compute-sanitizer (memcheck; racecheck/initcheck on a subset).
 lint        ruff.          build   wheels of every package into dist/.
 """
 
@@ -195,42 +195,71 @@ def profile_(session: nox.Session) -> None:
                 external=True, env={"TRITON_INTERPRET": "0"})
 
 
-# Tests whose kernels use shared memory (reductions across warps, tl.dot tiles): racecheck/initcheck.
-SANITIZE_SUBSET = ["softmax", "norms", "attention"]
+# Packages whose kernels use shared memory (reductions across warps, tl.dot tiles, split-K merges):
+# racecheck and initcheck run over their interpret tier (small odd shapes, masked tails).
+SANITIZE_SUBSET = ["softmax", "norms", "attention", "gemm", "inference-kvcache"]
 
 
 @nox.session(venv_params=["--system-site-packages"])
 def sanitize(session: nox.Session) -> None:
-    """The gpu tier under compute-sanitizer; fails on any report.
+    """Every kernel under compute-sanitizer on CUDA; fails on any report.
 
-    memcheck over every package's gpu tests, then racecheck and initcheck over softmax, norms and
-    attention. `nox --no-venv -s sanitize -- -k <expr>` narrows the tests (passed to pytest);
+    memcheck: the gpu and interpret tiers of every package, so every kernel runs, on LLM sizes and
+    on the small odd shapes with masked tails where out-of-bounds accesses hide. racecheck and
+    initcheck (much slower): the interpret tier of SANITIZE_SUBSET. Packages run as concurrent
+    processes (KERNEL_LAB_SANITIZE_JOBS, default 4; Triton compiles on the CPU), each logging to
+    sanitize-logs/<tool>-<package>.log. `-- -k <expr>` narrows the tests (passed to pytest);
     KERNEL_LAB_SANITIZE_TOOLS=memcheck runs one tool only.
     """
+    import subprocess
+    import time
+
     sanitizer = _require_cuda_tool(session, "compute-sanitizer")
     _install_local(session, PACKAGES)
     tools = os.environ.get("KERNEL_LAB_SANITIZE_TOOLS", "memcheck,racecheck,initcheck").split(",")
-    all_dirs = [str(ROOT / "packages" / p / "tests") for p in PACKAGES]
-    subset = [str(ROOT / "packages" / p / "tests") for p in SANITIZE_SUBSET if p in PACKAGES]
+    jobs = int(os.environ.get("KERNEL_LAB_SANITIZE_JOBS", "4"))
+    logs = ROOT / "sanitize-logs"
+    logs.mkdir(exist_ok=True)
     # No caching allocator: memcheck then sees each tensor's own allocation, so an out-of-bounds
     # access into a neighbouring block of the cache is reported instead of hidden.
-    env = {"TRITON_INTERPRET": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-    failed = []
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    runs = []  # (tool, package, tier)
     for tool in tools:
-        dirs = all_dirs if tool == "memcheck" else subset
-        # (no --leak-check: torch keeps its context, handles and module-level tensors to exit)
-        extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
-        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
-               "--print-limit", "100", *extra,
-               "python", "-m", "pytest", *PYTEST_FLAGS, "-p", "no:cacheprovider", "-m", "gpu", *dirs,
-               *session.posargs]
-        session.log(f"compute-sanitizer --tool {tool} over {len(dirs)} package(s)")
-        try:
-            session.run(*cmd, external=True, env=env)
-        except nox.command.CommandFailed:
-            failed.append(tool)
+        if tool == "memcheck":
+            runs += [(tool, p, "gpu or interpret") for p in PACKAGES]
+        else:
+            runs += [(tool, p, "interpret") for p in SANITIZE_SUBSET if p in PACKAGES]
+    pending, running, failed = list(runs), [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            tool, package, tier = pending.pop(0)
+            # (no --leak-check: torch keeps its context, handles and module-level tensors to exit)
+            extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
+            cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
+                   "--print-limit", "100", *extra,
+                   "python", "-m", "pytest", *PYTEST_FLAGS, "-p", "no:cacheprovider", "-m", tier,
+                   _package_path(package) + "/tests", *session.posargs]
+            log = logs / f"{tool}-{package}.log"
+            session.log(f"compute-sanitizer --tool {tool}: {package} ({tier}) -> {log.relative_to(ROOT)}")
+            with open(log, "w") as fh:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            running.append((tool, package, log, proc, time.monotonic()))
+        time.sleep(1)
+        for item in list(running):
+            tool, package, log, proc, started = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            lines = log.read_text().splitlines()
+            summary = next((ln for ln in reversed(lines) if "ERROR SUMMARY" in ln), "no ERROR SUMMARY line")
+            result = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln), "")
+            session.log(f"{tool} {package}: exit {proc.returncode} in {time.monotonic() - started:.0f}s; "
+                        f"{summary.strip()}; {result.strip()}")
+            if proc.returncode != 0:
+                failed.append(f"{tool}/{package}")
     if failed:
-        session.error(f"compute-sanitizer reported errors (or tests failed) under: {', '.join(failed)}")
+        session.error(f"compute-sanitizer reported errors (or tests failed) in: {', '.join(failed)} "
+                      "(see sanitize-logs/)")
 
 
 @nox.session
