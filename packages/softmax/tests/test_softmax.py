@@ -25,12 +25,13 @@ FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Shrink the thresholds so tiny inputs take the looped and split paths in the interpreter."""
+    """Shrink the thresholds so tiny inputs take the long-row paths: looped and split in the
+    interpreter, the cooperative kernel (with many chunks per row) on CUDA."""
 
     def shrink(max_fused: int, loop_block: int) -> None:
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
-        for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N"):
+        for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK"):
             monkeypatch.setattr(ops, name, loop_block)
 
     return shrink
@@ -143,7 +144,7 @@ def test_non_last_dim_matches_reference(op_name, dim, kernel_device, seed):
 def test_long_row_paths_match_reference(op_name, n_rows, n_cols, path, small_blocks, kernel_device, seed):
     # max fused 64 and 32-column steps: rows of 300 columns loop 10 times, masked tails included
     small_blocks(64, 32)
-    assert ops._plan(n_rows, n_cols, 64, torch.device("cpu"), 32).kind == path or kernel_device == "cuda"
+    assert ops._plan(n_rows, n_cols, 64, torch.device("cpu"), 32, 32).kind == path or kernel_device == "cuda"
     x = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=4.0)
     check_forward_and_backward(op_name, x, seed=seed)
 
@@ -220,3 +221,44 @@ def test_torch_compile_fullgraph_forward_and_backward(op_name, seed):
     testing.assert_close_to_reference(y, ref_fwd(x.detach() * 2.0), torch_op(x.detach() * 2.0, -1))
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize(
+    "n_rows, n_cols, dtype",
+    [(1000, 50001, torch.bfloat16), (7, 16385, torch.float32), (300, 131071, torch.float16)],
+    ids=["many-rows-odd", "fp32-just-past-fused", "vocab-odd"],
+)
+def test_cooperative_kernel_matches_reference(op_name, n_rows, n_cols, dtype, seed):
+    """Rows cut into chunks across programs, with far more programs than fit on the GPU at once
+    (1000 rows x 7 chunks): every row's merge must wait for exactly its own chunks."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ops._plan(n_rows, n_cols, ops.FWD_MAX_FUSED_COLS, torch.device("cuda"), ops.LOOP_BLOCK_N,
+                     ops.COOP_CHUNK).kind == "coop" or ops.COOP_CHUNK * sm_count < n_cols
+    x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
+    x[0] = float("-inf")  # fully masked row
+    x[1, : ops.COOP_CHUNK] = float("-inf")  # a chunk with no finite entry
+    x[2, ::7] = float("-inf")
+    x[3] = -200.0  # all finite entries far below 0: exp of the chunk shift must not overflow
+    x[3, -1] = float("-inf")
+    base = torch.full((n_rows, n_cols + 13), float("nan"), dtype=dtype, device="cuda")
+    base[:, :n_cols] = x
+    strided = base[:, :n_cols]  # NaN padding: a read past the row would show
+    ours, _, ref_fwd, _ = OPS[op_name]
+    for inp in (x, strided):
+        y = ours(inp, backend="triton")
+        testing.assert_close_to_reference(y, ref_fwd(x), factor=FWD_FACTOR, name=f"{op_name} coop forward")
+    check_forward_and_backward(op_name, testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed), seed=seed)
+
+
+@pytest.mark.gpu
+def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    cuda = torch.device("cuda")
+    at_limit = ops._plan(2, sm_count * ops.COOP_CHUNK, ops.FWD_MAX_FUSED_COLS, cuda, ops.LOOP_BLOCK_N, ops.COOP_CHUNK)
+    assert at_limit.kind == "coop" and at_limit.n_splits == sm_count
+    past = ops._plan(2, sm_count * ops.COOP_CHUNK + 1, ops.FWD_MAX_FUSED_COLS, cuda, ops.LOOP_BLOCK_N, ops.COOP_CHUNK)
+    assert past.kind == "split"
+    x = testing.randn(2, sm_count * ops.COOP_CHUNK, dtype=torch.bfloat16, device="cuda", seed=3)
+    testing.assert_close_to_reference(softmax(x), reference.softmax(x), torch.softmax(x, -1), factor=FWD_FACTOR)

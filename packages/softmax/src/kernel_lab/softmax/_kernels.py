@@ -1,17 +1,25 @@
 """Triton kernels of softmax and log-softmax over the last dim of a (n_rows, n_cols) view.
 
-Three shapes of work, forward and backward alike:
+Four shapes of work, forward and backward alike:
 
 - `*_rows_kernel`: a row fits in registers (n_cols <= MAX_FUSED_COLS in ops.py). One program
   takes BLOCK_M whole rows: one read, one write, the minimum traffic.
-- `*_looped_kernel`: a row is too long for registers. One program per row loops over it twice
-  (statistics, then output), so the row is read twice from HBM: 1.5x the minimum traffic.
-  Measured on an H200, neither walking the second pass backwards nor a persistent grid sized to
-  keep the rows in flight inside L2 helped: both were slower than one program per row, whose
-  extra programs keep more loads in flight.
-- `*_partial_kernel` + `*_split_kernel`: too few long rows to fill the GPU with one program
-  per row. Each row is cut into `n_splits` chunks: the first launch writes each chunk's
-  statistics, the second merges a row's statistics and writes its chunk's output.
+- `*_coop_kernel` (CUDA only): a row too long for one program's registers is cut into chunks
+  that do fit, one program per chunk, and the programs of a row cooperate: each publishes its
+  chunk's statistics, waits until all chunks of its row have, merges them and writes its chunk
+  from the registers it loaded it into. One read, one write, whatever the row length, in one
+  launch. Waiting on another program is only safe if that program is running or will surely
+  run: programs take their (row, chunk) from a ticket counter (an atomic increment at start),
+  so every ticket below ours belongs to a program already running, and a row's chunks are
+  consecutive tickets. Rows whose chunks all hold tickets finish and free their SMs, so the
+  one partly started row always gets the rest of its programs as long as a row has no more
+  chunks than the GPU has SMs (ops.py enforces it). The interpreter runs programs one after
+  another, where a wait would never end: it takes the next two paths instead.
+- `*_looped_kernel`: a row too long for the cooperative kernel, many rows. One program per row
+  loops over it twice (statistics, then output): the row is read twice, 1.5x the minimum traffic.
+- `*_partial_kernel` + `*_split_kernel`: the same with too few rows to fill the GPU. Each row is
+  cut into `n_splits` chunks: the first launch writes each chunk's statistics, the second merges
+  a row's statistics and writes its chunk's output.
 
 All math is float32 whatever the input dtype. A fully masked row (all -inf) has no finite max;
 we shift it by 0 instead of -inf so it yields softmax 0 and log-softmax -inf, never NaN.
@@ -83,6 +91,60 @@ def _softmax_fwd_rows_kernel(
     else:
         y = e * tl.where(s > 0, 1.0 / s, 0.0)
     tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _coop_ticket(sync_ptr, n_splits):
+    """(row, split) of this program, in the order programs started (see the module docstring)."""
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    return (ticket // n_splits).to(tl.int64), ticket % n_splits
+
+
+@triton.jit
+def _coop_arrive_and_wait(sync_ptr, row, n_splits):
+    """Count this program in for `row`, then wait until all n_splits programs of the row are.
+
+    release: our chunk statistics are visible before the count; acquire: theirs before we read.
+    """
+    counter = sync_ptr + 1 + row
+    arrived = tl.atomic_add(counter, 1, sem="release") + 1
+    while arrived < n_splits:
+        arrived = tl.atomic_add(counter, 0, sem="acquire")
+
+
+@triton.jit
+def _softmax_fwd_coop_kernel(
+    x_ptr, y_ptr, max_ptr, sum_ptr,  # max/sum: (n_rows, n_splits) float32 chunk statistics
+    sync_ptr,  # int32 zeros: [0] the ticket counter, [1 + row] programs of `row` that arrived
+    n_cols, stride_x_row, stride_y_row,
+    n_splits,
+    LOG: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program, held in registers from load to store
+    SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+):
+    row, split = _coop_ticket(sync_ptr, n_splits)
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    chunk_max = tl.max(x, axis=0)
+    e = tl.exp(x - _safe_shift(chunk_max))
+    part = row * n_splits + split
+    tl.store(max_ptr + part, chunk_max)
+    tl.store(sum_ptr + part, tl.sum(e, axis=0))
+    _coop_arrive_and_wait(sync_ptr, row, n_splits)
+    # volatile: another program of this SM may have cached these lines in L1 before they were final
+    idx = tl.arange(0, SPLITS_POW2)
+    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=float("-inf"), volatile=True)
+    part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0, volatile=True)
+    shift = _safe_shift(tl.max(part_m, axis=0))
+    s = tl.sum(part_s * tl.exp(part_m - shift), axis=0)
+    if LOG:
+        y = tl.where(s > 0, x - shift - tl.log(s), float("-inf"))
+    else:
+        # exp(x - shift) / s from the exponentials already taken against the chunk's own max
+        # (a chunk with no finite entry has e == 0 and exp(-inf) == 0: no inf * 0)
+        y = e * (tl.exp(chunk_max - shift) * tl.where(s > 0, 1.0 / s, 0.0))
+    tl.store(y_ptr + row * stride_y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -196,6 +258,33 @@ def _softmax_bwd_rows_kernel(
         dot = tl.sum(y * dy, axis=1)[:, None]
     dx = _grad_from_dot(y, dy, dot, LOG)
     tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_coop_kernel(
+    y_ptr, dy_ptr, dx_ptr, dot_ptr,  # dot: (n_rows, n_splits) float32 chunk reductions
+    sync_ptr,  # as in the forward
+    n_cols, stride_y_row, stride_dy_row, stride_dx_row,
+    n_splits,
+    LOG: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    row, split = _coop_ticket(sync_ptr, n_splits)
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < n_cols
+    y = tl.load(y_ptr + row * stride_y_row + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        part = tl.sum(dy, axis=0)
+    else:
+        part = tl.sum(y * dy, axis=0)
+    tl.store(dot_ptr + row * n_splits + split, part)
+    _coop_arrive_and_wait(sync_ptr, row, n_splits)
+    idx = tl.arange(0, SPLITS_POW2)
+    dot = tl.sum(tl.load(dot_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0, volatile=True), axis=0)
+    dx = _grad_from_dot(y, dy, dot, LOG)
+    tl.store(dx_ptr + row * stride_dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

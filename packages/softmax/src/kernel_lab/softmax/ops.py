@@ -21,10 +21,12 @@ from torch.library import triton_op
 from kernel_lab.shared import reference, runtime
 
 from ._kernels import (
+    _softmax_bwd_coop_kernel,
     _softmax_bwd_looped_kernel,
     _softmax_bwd_partial_kernel,
     _softmax_bwd_rows_kernel,
     _softmax_bwd_split_kernel,
+    _softmax_fwd_coop_kernel,
     _softmax_fwd_looped_kernel,
     _softmax_fwd_partial_kernel,
     _softmax_fwd_rows_kernel,
@@ -41,6 +43,12 @@ BWD_MAX_FUSED_COLS = 8192
 # Elements one program of the rows kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its launch and reduction latency.
 ROWS_TILE = 2048
+# Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
+# limit): a chunk stays in registers between its load and its store. A row may be cut into at
+# most as many chunks as the GPU has SMs (see _kernels.py), e.g. 1M columns on 132 SMs.
+COOP_CHUNK = 8192
+BWD_COOP_CHUNK = 4096
+COOP_NUM_WARPS = 8
 # Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
 # for 32k- to 128k-column bf16 rows on an H200 (the backward loads two rows per step: half).
 LOOP_BLOCK_N = 16384
@@ -60,7 +68,7 @@ INTERPRET_SM_COUNT = 4
 class _Plan:
     """How one launch covers an (n_rows, n_cols) problem."""
 
-    kind: str  # "rows" | "looped" | "split"
+    kind: str  # "rows" | "coop" | "looped" | "split"
     block_n: int
     block_m: int = 1
     num_warps: int = 8
@@ -68,14 +76,20 @@ class _Plan:
     chunk: int = 0
 
 
-def _plan(n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int) -> _Plan:
+def _plan(
+    n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int, coop_chunk: int
+) -> _Plan:
     if n_cols <= max_fused_cols:
         block_n = triton.next_power_of_2(n_cols)
         block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
         # about 16 elements per thread, 4 to 32 warps
         num_warps = min(32, max(4, block_m * block_n // 512))
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
-    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    on_gpu = device.type == "cuda" and not runtime.interpret_mode()
+    sm_count = runtime.device_info(device.index).sm_count if on_gpu else INTERPRET_SM_COUNT
+    n_chunks = triton.cdiv(n_cols, coop_chunk)
+    if on_gpu and n_chunks <= sm_count:  # more chunks than SMs could wait forever (see _kernels.py)
+        return _Plan("coop", block_n=coop_chunk, num_warps=COOP_NUM_WARPS, n_splits=n_chunks, chunk=coop_chunk)
     n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, SPLIT_BLOCK_N))
     if n_splits <= 1:
         return _Plan("looped", block_n=loop_block_n, num_warps=LOOP_NUM_WARPS)
@@ -103,6 +117,18 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
+def _coop_workspace(n_rows: int, n_splits: int, n_stats: int, device: torch.device):
+    """The cooperative kernels' scratch, zeroed in one allocation (one memset launch).
+
+    Returns the int32 sync counters (1 + n_rows: the ticket, then one arrival count per row) and
+    `n_stats` float32 (n_rows, n_splits) views for the chunk statistics.
+    """
+    stats = n_rows * n_splits
+    work = torch.zeros(1 + n_rows + n_stats * stats, dtype=torch.int32, device=device)
+    floats = work[1 + n_rows:].view(torch.float32)
+    return work[: 1 + n_rows], [floats[i * stats:(i + 1) * stats].view(n_rows, n_splits) for i in range(n_stats)]
+
+
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
 
@@ -116,11 +142,18 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N)
+    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK)
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "coop":
+        sync, (part_max, part_sum) = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
+        runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
+            x2, y2, part_max, part_sum, sync, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
+            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
@@ -153,11 +186,18 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     dx2 = torch.empty((n_rows, n_cols), dtype=dy.dtype, device=dy.device)
     if dx2.numel() == 0:
         return _from_rows(dx2, dy, dim)
-    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N)
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N, BWD_COOP_CHUNK)
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "coop":
+        sync, (part_dot,) = _coop_workspace(n_rows, plan.n_splits, 1, y.device)
+        runtime.launchable(_softmax_bwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
+            y2, dy2, dx2, part_dot, sync, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
+            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_bwd_looped_kernel, traceable)[(n_rows,)](
