@@ -12,10 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import FP8_DTYPE, FP8_E4M3_MAX, QUERY_DTYPES, flash_decode, kv_append
+from .ops import FP8_DTYPE, FP8_E4M3_MAX, QUERY_DTYPES, DecodeCache, _check_query, decode_checked_cache, kv_append
 
 CACHE_DTYPES = (*QUERY_DTYPES, FP8_DTYPE)
 IndexLike = Sequence[int] | torch.Tensor | None
+# Device seq_ids tensors a cache keeps per distinct seq_ids list (oldest dropped first): every
+# layer of a decode step passes the same list, and a fresh host->device copy of pageable
+# memory synchronizes the stream.
+SEQ_IDS_MEMO_SIZE = 64
 
 
 def _host_ints(name: str, x: IndexLike, n: int | None = None) -> list[int] | None:
@@ -63,6 +67,12 @@ class _CacheBase:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self._lengths = torch.zeros((num_layers, rows), dtype=torch.int32, device=self.device)
+        # Bumped whenever the set of valid sequences changes (paged allocate/free): decode
+        # re-checks a seq_ids list it has checked before only after a bump.
+        self._epoch = 0
+        self._decode_caches: dict[int, DecodeCache] = {}
+        self._seq_ids_memo: dict[tuple[int, ...], tuple[list[int], torch.Tensor, int]] = {}
+        self._default_rows_checked: tuple[int, int] | None = None
         self._host_lengths = [[0] * rows for _ in range(num_layers)]
         if dtype == FP8_DTYPE:
             self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32, device=self.device)
@@ -171,27 +181,77 @@ class _CacheBase:
     def _num_rows(self) -> int:
         raise NotImplementedError
 
-    def _layer_args(self, layer: int, block_table: torch.Tensor | None) -> dict:
-        """flash_decode's cache arguments of `layer`, built once: indexing tensors costs
-        microseconds per view, and a decode step at small batch is launch-bound."""
-        if not hasattr(self, "_args_cache"):
-            self._args_cache = {}
-        args = self._args_cache.get(layer)
-        if args is None:
-            args = {
-                "k_cache": self.k[layer], "v_cache": self.v[layer], "lengths": self._lengths[layer],
-                "block_table": block_table,
-                "k_scale": self.k_scale[layer] if self.is_fp8 else None,
-                "v_scale": self.v_scale[layer] if self.is_fp8 else None,
-            }
-            self._args_cache[layer] = args
-        return args
+    def _decode_cache(self, layer: int) -> DecodeCache:
+        """The checked cache side of a decode of `layer`, built once: indexing the tensors and
+        checking them costs microseconds, and a decode step at small batch is launch-bound."""
+        c = self._decode_caches.get(layer)
+        if c is None:
+            c = DecodeCache(self.k[layer], self.v[layer], self._lengths[layer], self._block_table(),
+                            self.k_scale[layer] if self.is_fp8 else None,
+                            self.v_scale[layer] if self.is_fp8 else None)
+            self._decode_caches[layer] = c
+        return c
+
+    def _block_table(self) -> torch.Tensor | None:
+        return None
+
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        """Raise ValueError unless every row is a sequence decode may read."""
+        raise NotImplementedError
+
+    def _check_default_rows(self, bsz: int) -> None:
+        """The same for the default seq_ids 0..bsz-1 (flash_decode checks bsz <= rows)."""
+
+    def _decode_rows(self, seq_ids: IndexLike, bsz: int) -> tuple[list[int] | None, torch.Tensor | None]:
+        """seq_ids of a decode as (host list, device int tensor), both None for the default 0..B-1.
+
+        Checks them on the host (range, or liveness of paged sequences). A list, tuple or CPU
+        tensor is copied to the device once per distinct value (memoized, re-checked only after
+        allocate/free); a tensor already on the cache's device is used as it is, but its
+        .tolist() for the checks synchronizes: pass a list on a hot path.
+        """
+        if seq_ids is None:
+            if self._default_rows_checked != (bsz, self._epoch):
+                self._check_default_rows(bsz)
+                self._default_rows_checked = (bsz, self._epoch)
+            return None, None
+        memo = self._seq_ids_memo
+        compiling = torch.compiler.is_compiling()
+        if isinstance(seq_ids, (list, tuple)) and not compiling:
+            hit = memo.get(tuple(seq_ids))
+            if hit is not None and len(hit[0]) == bsz:
+                rows, seq_t, epoch = hit
+                if epoch != self._epoch:
+                    self._check_rows(rows)
+                    memo[tuple(rows)] = (rows, seq_t, self._epoch)
+                return rows, seq_t
+        rows = _host_ints("seq_ids", seq_ids, bsz)
+        self._check_rows(rows)
+        if isinstance(seq_ids, torch.Tensor) and seq_ids.device == self.device:
+            return rows, seq_ids
+        if compiling:
+            return rows, torch.tensor(rows, dtype=torch.int32).to(self.device)
+        key = tuple(rows)
+        hit = memo.get(key)
+        if hit is None:
+            host = torch.tensor(rows, dtype=torch.int32)
+            if self.device.type == "cuda":
+                # Pinned (caching host allocator) + non_blocking: no stream synchronization.
+                seq_t = host.pin_memory().to(self.device, non_blocking=True)
+            else:
+                seq_t = host.to(self.device)
+            if len(memo) >= SEQ_IDS_MEMO_SIZE:
+                del memo[next(iter(memo))]
+        else:
+            seq_t = hit[1]
+        memo[key] = (rows, seq_t, self._epoch)
+        return rows, seq_t
 
     def _max_len(self, layer: int, rows: list[int] | None, bsz: int) -> int:
         host = self._host_lengths[layer]
         if rows is None:
             return max(host[:bsz], default=0)
-        return max((host[r] for r in rows), default=0)
+        return max(map(host.__getitem__, rows), default=0)
 
 
 class KVCache(_CacheBase):
@@ -256,8 +316,10 @@ class KVCache(_CacheBase):
             for r in rows:
                 host[r] = 0
 
-    def _decode_inputs(self, layer: int) -> dict:
-        return self._layer_args(layer, None)
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            if not 0 <= r < self.batch_size:
+                raise ValueError(f"seq_id {r} is outside [0, {self.batch_size})")
 
 
 class PagedKVCache(_CacheBase):
@@ -327,6 +389,7 @@ class PagedKVCache(_CacheBase):
         if seq_id in self._owned:
             raise ValueError(f"sequence {seq_id} is already allocated")
         self._owned[seq_id] = []
+        self._epoch += 1
         for host in self._host_lengths:
             host[seq_id] = 0
         self._lengths[:, seq_id] = 0
@@ -340,6 +403,7 @@ class PagedKVCache(_CacheBase):
         """End sequence `seq_id`: its blocks go back to the free list, its lengths to 0."""
         self._check_live(seq_id)
         self._free.extend(reversed(self._owned.pop(seq_id)))
+        self._epoch += 1
         for host in self._host_lengths:
             host[seq_id] = 0
         self._lengths[:, seq_id] = 0
@@ -379,8 +443,15 @@ class PagedKVCache(_CacheBase):
         self._reserve({r: host[r] + c for r, c in zip(rows_list, counts_list, strict=True)})
         self._commit_append(layer, k, v, rows, counts, rows_list, counts_list, block_table=self.block_table)
 
-    def _decode_inputs(self, layer: int) -> dict:
-        return self._layer_args(layer, self.block_table)
+    def _block_table(self) -> torch.Tensor | None:
+        return self.block_table
+
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            self._check_live(r)
+
+    def _check_default_rows(self, bsz: int) -> None:
+        self._check_rows(range(bsz))
 
 
 def decode_attention(
@@ -402,14 +473,10 @@ def decode_attention(
     if not isinstance(cache, _CacheBase):
         raise TypeError(f"cache must be a KVCache or PagedKVCache, got {type(cache).__name__}")
     cache._check_layer(layer)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    rows = _host_ints("seq_ids", seq_ids, q.shape[0]) if q.dim() in (3, 4) else None
-    if isinstance(cache, PagedKVCache):
-        for r in rows if rows is not None else range(q.shape[0]):
-            cache._check_live(r)
-    seq_t = torch.tensor(rows, dtype=torch.int32).to(cache.device) if rows is not None else None
-    return flash_decode(
-        q, **cache._decode_inputs(layer), seq_ids=seq_t, scale=scale, num_splits=num_splits,
-        max_len=cache._max_len(layer, rows, q.shape[0]),
+    _check_query(q)
+    bsz = q.shape[0]
+    rows, seq_t = cache._decode_rows(seq_ids, bsz)
+    return decode_checked_cache(
+        q, cache._decode_cache(layer), seq_ids=seq_t, scale=scale, num_splits=num_splits,
+        max_len=cache._max_len(layer, rows, bsz),
     )

@@ -225,6 +225,10 @@ def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: to
     one split and is not split.
     """
     sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+    return _num_splits(batch, h_kv, m_tiles, max_len, sm_count)
+
+
+def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int) -> int:
     programs = max(1, batch * h_kv * m_tiles)
     by_occupancy = (SPLIT_PROGRAMS_PER_SM * sm_count) // programs
     by_length = max_len // MIN_SPLIT_LEN
@@ -235,6 +239,74 @@ def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
     rows = group * t_q
     block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, _pow2(rows)))
     return block_m, _cdiv(rows, block_m)
+
+
+def _check_query(q) -> None:
+    _check_tensor("q", q, (3, 4))
+    if q.dtype not in QUERY_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+
+
+class DecodeCache:
+    """The cache side of a decode, checked once: k/v caches (or pools), lengths, block table,
+    fp8 scales, and what the launches derive from them.
+
+    `flash_decode` builds one per call; the cache classes build one per layer and reuse it,
+    so a decode step re-checks only q and seq_ids (the cache's own tensors do not change).
+    `_plans` memoizes the per-shape launch plan (see `_decode_plan`).
+    """
+
+    __slots__ = (
+        "_plans",
+        "block_table",
+        "bt_stride",
+        "capacity",
+        "d",
+        "device",
+        "dtype",
+        "h_kv",
+        "k_cache",
+        "k_scale",
+        "k_strides",
+        "lengths",
+        "page_size",
+        "paged",
+        "quant",
+        "rows",
+        "sm_count",
+        "v_cache",
+        "v_scale",
+    )
+
+    def __init__(self, k_cache, v_cache, lengths, block_table=None, k_scale=None, v_scale=None) -> None:
+        _check_cache_pair(k_cache, v_cache)
+        _check_scales(k_cache, k_scale, v_scale)
+        device = k_cache.device
+        if block_table is not None:
+            _check_index("block_table", block_table, device, 2)
+        _check_index("lengths", lengths, device, 1)
+        rows = _rows_of(k_cache, block_table)
+        if lengths.shape[0] != rows:
+            raise ValueError(f"lengths must have one entry per cache row ({rows}), got {lengths.shape[0]}")
+        # The kernels read int32 indices (no copy when they already are).
+        if lengths.dtype != torch.int32:
+            lengths = lengths.to(torch.int32)
+        if block_table is not None and block_table.dtype != torch.int32:
+            block_table = block_table.to(torch.int32)
+        self.k_cache, self.v_cache, self.lengths, self.block_table = k_cache, v_cache, lengths, block_table
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.device, self.dtype = device, k_cache.dtype
+        self.h_kv, self.d = k_cache.shape[2], k_cache.shape[3]
+        self.rows = rows
+        self.paged = block_table is not None
+        # Tokens one row can hold: the default max_len of the split plan and the autotune key.
+        self.capacity = k_cache.shape[1] * (block_table.shape[1] if self.paged else 1)
+        self.k_strides = k_cache.stride()
+        self.bt_stride = block_table.stride(0) if self.paged else 0
+        self.page_size = k_cache.shape[1]
+        self.quant = k_scale is not None
+        self.sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+        self._plans: dict = {}
 
 
 def flash_decode(
@@ -267,57 +339,57 @@ def flash_decode(
     lengths used for that choice (default: the cache capacity; the caches pass their own).
     Returns q's shape and dtype. Raises TypeError/ValueError on mismatched inputs.
     """
-    _check_tensor("q", q, (3, 4))
-    if q.dtype not in QUERY_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    _check_cache_pair(k_cache, v_cache)
-    if k_cache.device != q.device:
-        raise ValueError(f"q is on {q.device} but the cache is on {k_cache.device}")
-    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
-        raise TypeError(f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} or float8_e4m3fn")
+    _check_query(q)
+    cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
+    return decode_checked_cache(q, cache, seq_ids=seq_ids, scale=scale, num_splits=num_splits, max_len=max_len)
+
+
+def decode_checked_cache(
+    q: torch.Tensor,
+    cache: DecodeCache,
+    *,
+    seq_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """`flash_decode` over an already checked `DecodeCache`; q must have passed `_check_query`.
+    Checks q against the cache, seq_ids and num_splits, then dispatches (eager launch or the
+    custom op under torch.compile)."""
+    c = cache
+    if q.device != c.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {c.device}")
+    if c.dtype != q.dtype and c.dtype != FP8_DTYPE:
+        raise TypeError(f"cache dtype {c.dtype} must be q's dtype {q.dtype} or float8_e4m3fn")
     h_q, d = q.shape[-2:]
-    h_kv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"head dim of q ({d}) != head dim of the cache ({k_cache.shape[3]})")
+    if c.d != d:
+        raise ValueError(f"head dim of q ({d}) != head dim of the cache ({c.d})")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim must be <= {MAX_HEAD_DIM}, got {d}")
-    if h_q % h_kv != 0:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of kv heads ({h_kv})")
-    _check_scales(k_cache, k_scale, v_scale)
-    if block_table is not None:
-        _check_index("block_table", block_table, q.device, 2)
-    _check_index("lengths", lengths, q.device, 1)
-    rows = _rows_of(k_cache, block_table)
-    if lengths.shape[0] != rows:
-        raise ValueError(f"lengths must have one entry per cache row ({rows}), got {lengths.shape[0]}")
+    if h_q % c.h_kv != 0:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of kv heads ({c.h_kv})")
+    bsz = q.shape[0]
     if seq_ids is not None:
-        _check_index("seq_ids", seq_ids, q.device, 1)
-        if seq_ids.shape[0] != q.shape[0]:
-            raise ValueError(f"seq_ids must have one entry per query row ({q.shape[0]}), got {seq_ids.shape[0]}")
-    elif q.shape[0] > rows:
-        raise ValueError(f"q has {q.shape[0]} sequences but the cache has {rows} rows")
+        _check_index("seq_ids", seq_ids, c.device, 1)
+        if seq_ids.shape[0] != bsz:
+            raise ValueError(f"seq_ids must have one entry per query row ({bsz}), got {seq_ids.shape[0]}")
+        if seq_ids.dtype != torch.int32:
+            seq_ids = seq_ids.to(torch.int32)
+    elif bsz > c.rows:
+        raise ValueError(f"q has {bsz} sequences but the cache has {c.rows} rows")
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if max_len is None:
-        max_len = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    # The kernels read int32 indices (no copy when they already are).
-    if lengths.dtype != torch.int32:
-        lengths = lengths.to(torch.int32)
-    if seq_ids is not None and seq_ids.dtype != torch.int32:
-        seq_ids = seq_ids.to(torch.int32)
-    if block_table is not None and block_table.dtype != torch.int32:
-        block_table = block_table.to(torch.int32)
     if num_splits is None:
-        _, m_tiles = _m_tiling(h_q // h_kv, q.shape[1] if q.dim() == 4 else 1)
-        num_splits = num_splits_for(q.shape[0], h_kv, m_tiles, max_len, q.device)
+        _, m_tiles = _m_tiling(h_q // c.h_kv, q.shape[1] if q.dim() == 4 else 1)
+        num_splits = _num_splits(bsz, c.h_kv, m_tiles, c.capacity if max_len is None else max_len, c.sm_count)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.kvcache_decode(
-            q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, float(scale), num_splits
+            q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale, c.v_scale, float(scale),
+            num_splits,
         )
-    return flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
-                            float(scale), num_splits)
+    return _decode_launch(q, c, seq_ids, float(scale), num_splits)
 
 
 def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale):
@@ -339,57 +411,127 @@ def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale
     """Launcher of decode attention (inputs checked, index tensors int32). Output: q's shape."""
     if runtime.backend(q) == "reference":
         return _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
+    return _decode_launch(q, cache, seq_ids, scale, num_splits)
+
+
+class _DecodePlan:
+    """Everything a launch derives from (q's shape, dtype, seq_ids given, num_splits) and the
+    cache: computed once per cache and shape, not per call."""
+
+    __slots__ = (
+        "grid",
+        "group",
+        "h_kv",
+        "lse_shape",
+        "m_tiles",
+        "merge_grid",
+        "merge_meta",
+        "meta",
+        "part_shape",
+        "split",
+        "t_q",
+        "tune_key",
+    )
+
+    def __init__(self, c: DecodeCache, shape: tuple[int, ...], dtype: torch.dtype, has_seq_ids: bool,
+                 num_splits: int) -> None:
+        if len(shape) == 4:
+            bsz, t_q, h_q, d = shape
+        else:
+            (bsz, h_q, d), t_q = shape, 1
+        group = h_q // c.h_kv
+        block_m, m_tiles = _m_tiling(group, t_q)
+        self.h_kv, self.t_q, self.group, self.m_tiles = c.h_kv, t_q, group, m_tiles
+        self.split = num_splits > 1
+        self.part_shape = (bsz, h_q, t_q, num_splits, d)
+        self.lse_shape = (bsz, h_q, t_q, num_splits)
+        self.grid = (bsz * c.h_kv * m_tiles, num_splits)
+        self.merge_grid = (bsz * h_q * t_q,)
+        # Autotune keys: the split length and the number of programs, as powers of two, so a
+        # 128k-token single sequence and a batch of 64 short ones may pick different tiles.
+        len_bucket = int(math.log2(max(1, c.capacity // num_splits)))
+        work_bucket = int(math.log2(max(1, bsz * c.h_kv * m_tiles * num_splits)))
+        self.meta = {
+            "len_bucket": len_bucket, "work_bucket": work_bucket,
+            "HEAD_DIM": d, "BLOCK_D": max(MIN_DOT_DIM, _pow2(d)), "BLOCK_M": block_m,
+            "PAGED": c.paged, "PAGE_SIZE": c.page_size, "HAS_SEQ_IDS": has_seq_ids,
+            "QUANT": c.quant, "SPLIT": self.split,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        }
+        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": _pow2(d), "BLOCK_S": _pow2(num_splits), "num_warps": 4}
+        # Everything the autotuner's key is made of (its key arguments and the dtypes of the
+        # tensor arguments), and more: the config it picks for this key is reused (_launch_tuned).
+        self.tune_key = (d, block_m, c.paged, c.quant, len_bucket, work_bucket, dtype, c.dtype, has_seq_ids,
+                         self.split, c.page_size)
+
+
+# Autotuned decode configs by plan key (see _DecodePlan.tune_key), filled from the autotuner's
+# choice on the first launch of each key.
+_TUNED: dict[tuple, dict] = {}
+
+
+def _launch_tuned(kernel, key: tuple, grid, args, meta: dict) -> None:
+    """Launch an autotuned kernel, bypassing `Autotuner.run` once it has chosen for `key`.
+
+    Autotuner.run rebuilds a dict of all ~40 arguments and its key on every call (tens of
+    microseconds of CPU per decode step, measured on the host path with the kernel stubbed);
+    past the first call for a key it only forwards to the JIT function with the chosen config,
+    which is what the second branch does directly. The kernel, config and arguments are the
+    same, so the results are bit-identical.
+    """
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        kernel[grid](*args, **meta)
+        _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **meta, **cfg)
+
+
+def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) -> torch.Tensor:
+    """The launches of one decode over a checked cache (seq_ids int32 or None)."""
+    if runtime.backend(q) == "reference":
+        return _flash_decode_reference(q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale,
+                                       c.v_scale, scale)
+    shape = q.shape
+    key = (shape, q.dtype, seq_ids is not None, num_splits)
+    plan = c._plans.get(key)
+    if plan is None:
+        plan = c._plans[key] = _DecodePlan(c, tuple(shape), q.dtype, seq_ids is not None, num_splits)
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     # A 3-D q is one token per sequence: T_q = 1 and a zero token stride, no reshape needed.
     if q.dim() == 4:
-        bsz, t_q, h_q, d = q.shape
         q_strides, out_strides = q.stride(), out.stride()
     else:
-        (bsz, h_q, d), t_q = q.shape, 1
-        q_strides = (q.stride(0), 0, q.stride(1), q.stride(2))
-        out_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
-    h_kv = k_cache.shape[2]
-    group = h_q // h_kv
-    block_m, m_tiles = _m_tiling(group, t_q)
-    split = num_splits > 1
-    if split:
-        o_part = torch.empty((bsz, h_q, t_q, num_splits, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((bsz, h_q, t_q, num_splits), dtype=torch.float32, device=q.device)
+        sq, so = q.stride(), out.stride()
+        q_strides = (sq[0], 0, sq[1], sq[2])
+        out_strides = (so[0], 0, so[1], so[2])
+    if plan.split:
+        o_part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # never touched: SPLIT is a constexpr
-    dummy = lengths
-    # Autotune keys: the split length and the number of programs, as powers of two, so a
-    # 128k-token single sequence and a batch of 64 short ones may pick different tiles.
-    max_chunk = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    len_bucket = int(math.log2(max(1, max_chunk // num_splits)))
-    work_bucket = int(math.log2(max(1, bsz * h_kv * m_tiles * num_splits)))
-    grid = (bsz * h_kv * m_tiles, num_splits)
-    _decode_split_kernel[grid](
+    dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
+    args = (
         q, *q_strides,
-        k_cache, v_cache, *k_cache.stride(),
-        lengths,
+        c.k_cache, c.v_cache, *c.k_strides,
+        c.lengths,
         seq_ids if seq_ids is not None else dummy,
-        block_table if block_table is not None else dummy,
-        block_table.stride(0) if block_table is not None else 0,
-        k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy,
+        c.block_table if c.paged else dummy,
+        c.bt_stride,
+        c.k_scale if c.quant else dummy,
+        c.v_scale if c.quant else dummy,
         out, *out_strides,
         o_part, lse_part,
         scale * LOG2E,
-        h_kv, t_q, group, m_tiles, num_splits,
-        len_bucket, work_bucket,
-        HEAD_DIM=d, BLOCK_D=max(MIN_DOT_DIM, _pow2(d)), BLOCK_M=block_m,
-        PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1], HAS_SEQ_IDS=seq_ids is not None,
-        QUANT=k_scale is not None, SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        plan.h_kv, plan.t_q, plan.group, plan.m_tiles, num_splits,
     )
-    if split:
-        _decode_merge_kernel[(bsz * h_q * t_q,)](
-            o_part, lse_part, out, *out_strides, h_q, t_q, num_splits,
-            HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_S=_pow2(num_splits),
-            num_warps=4,
+    _launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta)
+    if plan.split:
+        _decode_merge_kernel[plan.merge_grid](
+            o_part, lse_part, out, *out_strides, shape[-2], plan.t_q, num_splits, **plan.merge_meta,
         )
     return out
 

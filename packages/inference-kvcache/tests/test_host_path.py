@@ -1,0 +1,103 @@
+"""The eager decode's host-side memos stay correct: per-layer checked caches, launch plans,
+the reused autotune choice, memoized seq_ids tensors, the liveness re-checks after
+allocate/free, and the host mirror of the lengths."""
+
+import pytest
+import torch
+
+from kernel_lab.inference_kvcache import KVCache, PagedKVCache, decode_attention, flash_decode
+from kernel_lab.inference_kvcache import modules as kv_modules
+from kernel_lab.inference_kvcache import ops as kv_ops
+from kernel_lab.shared.testing import randn
+
+
+def _mirror_matches(cache) -> bool:
+    return all(cache.lengths(layer).tolist() == cache._host_lengths[layer] for layer in range(cache.num_layers))
+
+
+@pytest.mark.interpret
+def test_repeated_decodes_reuse_plans_and_give_identical_results(kvh, kernel_device, seed, cache_kind):
+    cache = kvh.make_cache(cache_kind, layers=2, batch=3, max_len=40, h_kv=2, d=16, dtype=torch.float16,
+                           device=kernel_device)
+    for layer in range(2):
+        kvh.fill(cache, layer, [37, 5, 0], dtype=torch.float16, seed=seed + layer, prefill=40)
+    q3 = randn(3, 4, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    q4 = randn(2, 2, 4, 16, dtype=torch.float16, seed=seed + 3, device=kernel_device)
+    for _ in range(2):  # the second round runs from the memos
+        for layer in range(2):
+            for kw in ({}, {"num_splits": 3}, {"num_splits": 1}):
+                first = decode_attention(q3, cache, layer, **kw)
+                kvh.check_decode(first, q3, cache, layer)
+                assert torch.equal(decode_attention(q3, cache, layer, **kw), first)
+            out = decode_attention(q4, cache, layer, seq_ids=[1, 0], num_splits=2)
+            kvh.check_decode(out, q4, cache, layer, rows=[1, 0])
+    assert set(cache._decode_caches) == {0, 1}
+    assert kv_ops._TUNED  # the autotuner's choice is reused past the first launch of a key
+    # The checked layer caches point at the cache's own tensors: later appends are seen.
+    kvh.fill(cache, 0, [1, 1, 2], dtype=torch.float16, seed=seed + 4, prefill=2)
+    kvh.check_decode(decode_attention(q3, cache, 0), q3, cache, 0)
+
+
+@pytest.mark.interpret
+def test_flash_decode_matches_decode_attention(kvh, kernel_device, seed):
+    cache = kvh.make_cache("paged", batch=2, max_len=30, h_kv=2, d=16, dtype=torch.float16, device=kernel_device)
+    kvh.fill(cache, 0, [30, 7], dtype=torch.float16, seed=seed, prefill=30)
+    q = randn(2, 8, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    a = decode_attention(q, cache, 0, num_splits=2)
+    b = flash_decode(q, cache.k[0], cache.v[0], cache.lengths(0).long(), block_table=cache.block_table.long(),
+                     num_splits=2)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.interpret
+def test_memoized_seq_ids_follow_free_and_allocate(kvh, kernel_device, seed, monkeypatch):
+    monkeypatch.setattr(kv_modules, "SEQ_IDS_MEMO_SIZE", 2)
+    cache = kvh.make_cache("paged", batch=3, max_len=20, h_kv=1, d=16, dtype=torch.float16, device=kernel_device)
+    kvh.fill(cache, 0, [9, 20, 4], dtype=torch.float16, seed=seed, prefill=20)
+    q = randn(2, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    for rows in ([2, 0], [0, 1], (1, 2), [2, 0], torch.tensor([0, 1]), [0, 1]):
+        kvh.check_decode(decode_attention(q, cache, 0, seq_ids=rows), q, cache, 0, rows=[int(r) for r in rows])
+    assert len(cache._seq_ids_memo) <= 2
+    cache.free(1)
+    with pytest.raises(ValueError, match="sequence 1 is not allocated"):
+        decode_attention(q, cache, 0, seq_ids=[0, 1])
+    with pytest.raises(ValueError, match="sequence 1 is not allocated"):
+        decode_attention(q, cache, 0)
+    with pytest.raises(ValueError, match="seq_ids must have 2 entries"):
+        decode_attention(q, cache, 0, seq_ids=[0])
+    cache.allocate(1)
+    kvh.fill(cache, 0, [9, 3, 4], dtype=torch.float16, seed=seed + 2, prefill=3)
+    assert _mirror_matches(cache)
+    for rows in ([0, 1], [1, 2], None):
+        kvh.check_decode(decode_attention(q, cache, 0, seq_ids=rows), q, cache, 0, rows=rows)
+
+
+def test_contiguous_seq_ids_are_range_checked():
+    cache = KVCache(1, 2, 8, 1, 8, dtype=torch.float32)
+    q = torch.zeros(2, 2, 8)
+    for rows in ([0, 2], [-1, 0]):
+        with pytest.raises(ValueError, match=r"seq_id -?\d is outside \[0, 2\)"):
+            decode_attention(q, cache, 0, seq_ids=rows)
+    with pytest.raises(ValueError, match="q has 3 sequences but the cache has 2 rows"):
+        decode_attention(torch.zeros(3, 2, 8), cache, 0)
+
+
+def test_host_length_mirror_follows_append_reset_and_free(seed):
+    cache = KVCache(2, 3, 16, 1, 8, dtype=torch.float32)
+    paged = PagedKVCache(12, 4, 2, 1, 8, dtype=torch.float32, max_seqs=3)
+    for s in range(3):
+        paged.allocate(s)
+    for c in (cache, paged):
+        k = randn(3, 5, 1, 8, seed=seed)
+        c.append(0, k, k, num_new=[5, 2, 0])
+        c.append(1, k[:2, :1], k[:2, :1], seq_ids=[2, 0])
+        c.append(1, k[:, :3], k[:, :3])
+        assert _mirror_matches(c)
+        assert c._host_lengths == [[5, 2, 0], [4, 3, 4]]
+    cache.reset([1])
+    paged.free(1)
+    for c in (cache, paged):
+        assert _mirror_matches(c) and c._host_lengths == [[5, 0, 0], [4, 0, 4]]
+    paged.allocate(1, 6)
+    cache.reset()
+    assert _mirror_matches(paged) and _mirror_matches(cache)
