@@ -101,3 +101,81 @@ def test_host_length_mirror_follows_append_reset_and_free(seed):
     paged.allocate(1, 6)
     cache.reset()
     assert _mirror_matches(paged) and _mirror_matches(cache)
+
+
+# ---------------------------------------------------------------------------------------
+# direct launches of the compiled kernels (CUDA only): faked here, kernels recorded not run
+
+
+class _FakeCompiled:
+    """Stands in for a triton CompiledKernel: `kernel[grid](*all_params)` records the launch."""
+
+    packed_metadata = function = object()
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *params: self.log.append(("direct", self.name, grid, params))
+
+
+class _FakeJit:
+    """Stands in for a JITFunction: records every parameter in signature order (what its
+    binder would pass to the compiled kernel) and returns a _FakeCompiled."""
+
+    pre_run_hooks = ()
+
+    def __init__(self, real, log, name):
+        self.arg_names, self.log, self.name = real.arg_names, log, name
+        self.compiled = _FakeCompiled(log, name)
+
+    def run(self, *args, grid, warmup, **kw):
+        params = (*args, *(kw[n] for n in self.arg_names[len(args):]))
+        self.log.append(("jit", self.name, grid, params))
+        return self.compiled
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.run(*args, grid=grid, warmup=False, **kw)
+
+
+def _described(params):
+    """Launch parameters with tensors as (shape, stride, dtype): fresh outputs compare equal."""
+    return tuple((tuple(p.shape), p.stride(), p.dtype) if isinstance(p, torch.Tensor) else p for p in params)
+
+
+def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, seed):
+    log = []
+    monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "triton")
+    monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(kv_ops, "_TUNED", {})
+    monkeypatch.setattr(kv_ops._decode_split_kernel, "fn", _FakeJit(kv_ops._decode_split_kernel.fn, log, "split"))
+    monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
+    monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
+    for s in range(3):
+        cache.allocate(s, 30)
+    cache._decode_cache(0).is_cuda = True  # what a CUDA cache has
+    q = randn(3, 8, 16, dtype=torch.float16, seed=seed)
+
+    def launches(q, **kw):
+        log.clear()
+        decode_attention(q, cache, 0, num_splits=3, **kw)
+        return [(how, name, grid, _described(params)) for how, name, grid, params in log]
+
+    first = launches(q)
+    assert [x[:2] for x in first] == [("jit", "split"), ("jit", "merge")]
+    again = launches(q.clone())
+    assert [x[:2] for x in again] == [("direct", "split"), ("direct", "merge")]
+    assert [x[2:] for x in again] == [x[2:] for x in first]
+    # Anything the JIT specializes on that the fingerprint does not pin goes through it again:
+    # a q that is not 16-byte aligned, other q strides, other seq_ids, another num_splits.
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    assert launches(misaligned)[0][0] == "jit"
+    assert launches(misaligned)[0][0] == "direct"
+    strided = torch.empty(3, 8, 32, dtype=q.dtype)[..., :16].copy_(q)
+    assert launches(strided)[0][0] == "jit"
+    assert launches(q, seq_ids=[2, 1, 0])[0][0] == "jit"
+    assert launches(q, seq_ids=[2, 1, 0])[0][0] == "direct"
+    monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
+    assert [x[0] for x in launches(q)] == ["jit", "jit"]

@@ -12,6 +12,7 @@ Call path: `flash_decode(...)` (tensor-level) checks its inputs, then
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch.library import custom_op
@@ -19,6 +20,11 @@ from torch.library import custom_op
 from kernel_lab.shared import reference, runtime
 
 from ._kernels import FP8_E4M3_MAX, _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # Triton < 3.4: no direct launches (see _DirectLaunch)
+    _knobs = None
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -257,6 +263,7 @@ class DecodeCache:
     """
 
     __slots__ = (
+        "_launches",
         "_plans",
         "block_table",
         "bt_stride",
@@ -265,6 +272,7 @@ class DecodeCache:
         "device",
         "dtype",
         "h_kv",
+        "is_cuda",
         "k_cache",
         "k_scale",
         "k_strides",
@@ -296,6 +304,7 @@ class DecodeCache:
         self.k_cache, self.v_cache, self.lengths, self.block_table = k_cache, v_cache, lengths, block_table
         self.k_scale, self.v_scale = k_scale, v_scale
         self.device, self.dtype = device, k_cache.dtype
+        self.is_cuda = device.type == "cuda"
         self.h_kv, self.d = k_cache.shape[2], k_cache.shape[3]
         self.rows = rows
         self.paged = block_table is not None
@@ -307,6 +316,7 @@ class DecodeCache:
         self.quant = k_scale is not None
         self.sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
         self._plans: dict = {}
+        self._launches: dict = {}
 
 
 def flash_decode(
@@ -446,8 +456,8 @@ class _DecodePlan:
         self.split = num_splits > 1
         self.part_shape = (bsz, h_q, t_q, num_splits, d)
         self.lse_shape = (bsz, h_q, t_q, num_splits)
-        self.grid = (bsz * c.h_kv * m_tiles, num_splits)
-        self.merge_grid = (bsz * h_q * t_q,)
+        self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
+        self.merge_grid = (bsz * h_q * t_q, 1, 1)
         # Autotune keys: the split length and the number of programs, as powers of two, so a
         # 128k-token single sequence and a batch of 64 short ones may pick different tiles.
         len_bucket = int(math.log2(max(1, c.capacity // num_splits)))
@@ -471,7 +481,7 @@ class _DecodePlan:
 _TUNED: dict[tuple, dict] = {}
 
 
-def _launch_tuned(kernel, key: tuple, grid, args, meta: dict) -> None:
+def _launch_tuned(kernel, key: tuple, grid, args, meta: dict):
     """Launch an autotuned kernel, bypassing `Autotuner.run` once it has chosen for `key`.
 
     Autotuner.run rebuilds a dict of all ~40 arguments and its key on every call (tens of
@@ -482,10 +492,50 @@ def _launch_tuned(kernel, key: tuple, grid, args, meta: dict) -> None:
     """
     cfg = _TUNED.get(key)
     if cfg is None:
-        kernel[grid](*args, **meta)
+        ret = kernel[grid](*args, **meta)
         _TUNED[key] = kernel.best_config.all_kwargs()
-    else:
-        kernel.fn[grid](*args, **meta, **cfg)
+        return ret
+    return kernel.fn[grid](*args, **meta, **cfg)
+
+
+# Direct launches of the compiled kernels (see _DirectLaunch); KERNEL_LAB_DIRECT_LAUNCH=0 turns
+# them off (every launch then goes through JITFunction.run, as before).
+DIRECT_LAUNCH = (os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "1") != "0" and _knobs is not None
+                 and hasattr(_knobs.compilation, "instrumentation_mode"))
+
+
+def _compiled(ret):
+    """The CompiledKernel a JIT launch returned, or None (the interpreter returns none)."""
+    if ret is not None and hasattr(ret, "result") and not hasattr(ret, "packed_metadata"):
+        ret = ret.result()  # an asynchronous compilation's future
+    if hasattr(ret, "packed_metadata") and hasattr(ret, "function") and callable(getattr(ret, "__getitem__", None)):
+        return ret
+    return None
+
+
+class _DirectLaunch:
+    """The compiled split (and merge) kernels of one decode fingerprint, launched directly.
+
+    JITFunction.run binds and specializes its ~40 arguments, builds its cache key (str() of
+    the options) and reads the device, stream and knobs on every launch: about 20 us of CPU
+    per decode step on the host path (binder alone ~13 us for the split kernel). Within one
+    DecodeCache, everything the specialization depends on is fixed by the fingerprint of
+    `_decode_launch` (plan: shapes, dtypes, constexprs, config; the cache's own tensors and
+    strides; q's strides; the 16-byte alignment of every per-call pointer; current device;
+    Triton's debug/instrumentation knobs), so the kernel JITFunction.run picked for the first
+    call of a fingerprint is the one it would pick again: `CompiledKernel[grid](*args)` runs
+    it with the same arguments (all parameters in signature order, constexprs included).
+    """
+
+    __slots__ = ("merge", "merge_tail", "split", "split_tail")
+
+    def __init__(self, split, split_tail, merge, merge_tail) -> None:
+        self.split, self.split_tail, self.merge, self.merge_tail = split, split_tail, merge, merge_tail
+
+
+def _tail(jit_fn, n_args: int, values: dict) -> tuple:
+    """The values of jit_fn's parameters after its first n_args, in signature order."""
+    return tuple(values[name] for name in jit_fn.arg_names[n_args:])
 
 
 def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) -> torch.Tensor:
@@ -528,11 +578,32 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         scale * LOG2E,
         plan.h_kv, plan.t_q, plan.group, plan.m_tiles, num_splits,
     )
-    _launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta)
-    if plan.split:
-        _decode_merge_kernel[plan.merge_grid](
-            o_part, lse_part, out, *out_strides, shape[-2], plan.t_q, num_splits, **plan.merge_meta,
+    merge_args = (o_part, lse_part, out, *out_strides, shape[-2], plan.t_q, num_splits)
+    fingerprint = None
+    if DIRECT_LAUNCH and c.is_cuda:
+        fingerprint = (
+            plan, torch.cuda.current_device(), q_strides, q.data_ptr() & 15,
+            seq_ids.data_ptr() & 15 if seq_ids is not None else -1,
+            out.data_ptr() & 15, o_part.data_ptr() & 15, lse_part.data_ptr() & 15,
+            _knobs.runtime.debug, _knobs.compilation.instrumentation_mode,
         )
+        direct = c._launches.get(fingerprint)
+        if direct is not None:
+            direct.split[plan.grid](*args, *direct.split_tail)
+            if plan.split:
+                direct.merge[plan.merge_grid](*merge_args, *direct.merge_tail)
+            return out
+    split_k = _compiled(_launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta))
+    merge_k = None
+    if plan.split:
+        merge_k = _compiled(_decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta))
+    if fingerprint is not None and split_k is not None and (merge_k is not None or not plan.split):
+        jit_split = _decode_split_kernel.fn
+        if not jit_split.pre_run_hooks and not _decode_merge_kernel.pre_run_hooks:
+            cfg = _TUNED[plan.tune_key]
+            split_tail = _tail(jit_split, len(args), {**plan.meta, **cfg})
+            merge_tail = _tail(_decode_merge_kernel, len(merge_args), plan.merge_meta) if plan.split else ()
+            c._launches[fingerprint] = _DirectLaunch(split_k, split_tail, merge_k, merge_tail)
     return out
 
 
