@@ -79,3 +79,11 @@ def test_device_facts_and_measured_peaks_are_plausible():
     assert 1e11 < bw < 2e13, bw
     assert runtime.measured_matmul_flops() > 1e13
     assert runtime.backend(torch.zeros(1, device="cuda")) == "triton"
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    triton = pytest.importorskip("triton")
+    for n in [0, 1, 2, 3, 4, 5, 127, 128, 129, 65535, 65536, 65537, (1 << 31) + 1]:
+        assert runtime.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in [1, 2, 3, 64, 8192]:
+            assert runtime.cdiv(n, d) == triton.cdiv(n, d), (n, d)

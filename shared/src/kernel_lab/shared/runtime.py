@@ -91,6 +91,21 @@ def check_backend(op: str, requested: str | None, x: torch.Tensor, arg: str = "t
         )
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side launch arithmetic.
+
+    Plain Python on purpose: `triton.cdiv` / `triton.next_power_of_2` are constexpr functions
+    whose host call goes through Triton's wrapper (several microseconds each), which adds up in
+    the eager launch path of a small op.
+    """
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n == 0, as triton's), host-side; see `cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def launchable(kernel, traced: bool):
     """The Triton kernel to index with a grid and call: `wrap_triton(kernel)` when `traced`,
     `kernel` itself otherwise.

@@ -87,7 +87,7 @@ def _grid(meta: dict, grid_fn):
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, runtime.next_power_of_2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -169,7 +169,7 @@ def attention_fwd(
         # arguments to user Triton kernels is fragile.
         cu_seqlens_q = cu_seqlens_k = lse
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device)
-    grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
+    grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
@@ -216,7 +216,7 @@ def attention_bwd(
         cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
     # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
     pre_block = 64 if q.device.type == "cuda" else 32
-    _attn_bwd_preprocess_kernel[(triton.cdiv(rows_q, pre_block) * batch * n_heads,)](
+    _attn_bwd_preprocess_kernel[(runtime.cdiv(rows_q, pre_block) * batch * n_heads,)](
         out, do, delta, cu_seqlens_q, *_bht_strides(out, layout), *_bht_strides(do, layout),
         stride_lb, stride_lh, n_heads, seqlen_q, rows_q,
         IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block,
@@ -229,7 +229,7 @@ def attention_bwd(
                   *_bht_strides(do, layout))
     if rows_k > 0 and dk.numel() > 0:
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
-        grid = _grid(meta, lambda m: (triton.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
+        grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
         kernel[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
@@ -237,7 +237,7 @@ def attention_bwd(
             **common, **meta,
         )
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
-    grid = _grid(meta, lambda m: (triton.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
+    grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     kernel[grid](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
@@ -665,11 +665,11 @@ def rope_fwd(
     head_dim = q.shape[-1]
     # About 8K elements per program (64 positions of a 128-wide head): enough bytes in flight
     # per program to stream at HBM rate, with cos/sin rows reused from L2 across heads.
-    block_t = max(1, min(triton.next_power_of_2(seqlen), 8192 // triton.next_power_of_2(head_dim)))
+    block_t = max(1, min(runtime.next_power_of_2(seqlen), 8192 // runtime.next_power_of_2(head_dim)))
     copy_tail = rotary_dim < head_dim and not inplace
     # Heads vary fastest (axis 0, up to 2**31 programs): programs running together share the
     # same cos/sin rows in L2.
-    grid = (batch * (n_q_heads + n_k_heads), triton.cdiv(seqlen, block_t))
+    grid = (batch * (n_q_heads + n_k_heads), runtime.cdiv(seqlen, block_t))
     runtime.launchable(_rope_kernel, traced)[grid](
         q, k, q_out, k_out, cos, sin,
         cos if position_ids is None else position_ids,  # a placeholder pointer when unused
@@ -679,8 +679,8 @@ def rope_fwd(
         stride_cb, stride_ct, *pos_strides,
         HAS_POSITION_IDS=position_ids is not None, INTERLEAVED=interleaved, BACKWARD=backward,
         COPY_TAIL=copy_tail, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_T=block_t,
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-        BLOCK_TAIL=triton.next_power_of_2(max(1, head_dim - rotary_dim)),
+        BLOCK_HALF=runtime.next_power_of_2(rotary_dim // 2),
+        BLOCK_TAIL=runtime.next_power_of_2(max(1, head_dim - rotary_dim)),
         num_warps=4,
     )
     return q_out, k_out

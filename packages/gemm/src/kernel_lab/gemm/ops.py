@@ -93,18 +93,8 @@ USE_TMA = os.environ.get("KERNEL_LAB_GEMM_TMA", "1") != "0" and TensorDescriptor
 # planning helpers
 
 
-# Host-side integer helpers in plain Python: triton.cdiv / triton.next_power_of_2 are @jit
-# functions whose host call costs ~15 us each, which a decode launch cannot afford.
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _m_bucket(m: int) -> int:
-    return min(_next_pow2(max(m, 1)), M_BUCKET_CAP)
+    return min(runtime.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -119,7 +109,7 @@ class _SkinnyPlan:
     k_per_split: int
 
     def grid(self, m: int, n: int) -> tuple[int, int]:
-        return (_cdiv(m, self.block_m) * _cdiv(n, self.block_n), self.split_k)
+        return (runtime.cdiv(m, self.block_m) * runtime.cdiv(n, self.block_n), self.split_k)
 
 
 def _skinny_plan(
@@ -127,24 +117,24 @@ def _skinny_plan(
 ) -> _SkinnyPlan:
     """BLOCK_M covering M, BLOCK_N, and the K split that fills the GPU (see constants)."""
     interpret = device.type != "cuda"
-    block_m = max(16, _next_pow2(m))
+    block_m = max(16, runtime.next_power_of_2(m))
     block_n = INTERPRET_BLOCK if interpret else block_n
-    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
-    split = _cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
+    tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
+    split = runtime.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
     partial_bytes_per_split = 2 * m * n * 4
     split = min(split, max(1, int(SPLIT_MAX_TRAFFIC * weight_bytes / partial_bytes_per_split)), MAX_SPLIT_K)
-    split = max(1, min(split, _cdiv(k, k_align)))
-    k_per_split = _cdiv(_cdiv(k, split), k_align) * k_align
-    return _SkinnyPlan(block_m, block_n, _cdiv(k, k_per_split), k_per_split)
+    split = max(1, min(split, runtime.cdiv(k, k_align)))
+    k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
+    return _SkinnyPlan(block_m, block_n, runtime.cdiv(k, k_per_split), k_per_split)
 
 
 def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none",
             traced=False):
     """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
     n_splits, m, n = ws.shape
-    block_m = min(16, max(1, _next_pow2(m)))
+    block_m = min(16, max(1, runtime.next_power_of_2(m)))
     dummy = c
-    runtime.launchable(_splitk_reduce_kernel, traced)[(_cdiv(m, block_m), _cdiv(n, REDUCE_BLOCK_N))](
+    runtime.launchable(_splitk_reduce_kernel, traced)[(runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))](
         ws, c, dummy if ssq is None else ssq,
         dummy if bias is None else bias,
         dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,
@@ -208,13 +198,13 @@ def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None
     if a.device.type != "cuda":  # the interpreter (tests): one small config, no autotuning
         meta = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True)
         _tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "B_KMAJOR": b_kmajor, **meta})
-        grid = (min(sms, _cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK)),)
+        grid = (min(sms, runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK)),)
         _matmul_tma_persistent_kernel[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **meta, **common)
         return
     kernel = _matmul_tma_kernel_fp8 if common["HAS_SCALE"] else _matmul_tma_kernel
 
     def grid(meta):
-        return (min(sms, _cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"])),)
+        return (min(sms, runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"])),)
 
     kernel[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **common)
 
@@ -281,7 +271,7 @@ def matmul_fwd(
         stride_sa, stride_sb, 0, k,
     )
     if interpret:
-        grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
+        grid = (runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK), 1)
         runtime.launchable(_matmul_kernel, traced)[grid](
             *args, WRITE_PARTIAL=False, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
             GROUP_M=2, **common,
@@ -296,7 +286,7 @@ def matmul_fwd(
     kernel = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
 
     def grid(meta):
-        return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
+        return (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), 1)
 
     runtime.launchable(kernel, traced)[grid](*args, WRITE_PARTIAL=False, **common)
     return c
@@ -345,7 +335,7 @@ def quantized_matmul_fwd(
         split_k, k_per_split = 1, k
         launch = {} if interpret else dict(num_warps=8, num_stages=3)
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (_cdiv(m, block_m) * _cdiv(n, block_n), split_k)
+    grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), split_k)
     runtime.launchable(kernel, traced)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
         m, n, k, _m_bucket(m),
@@ -399,7 +389,7 @@ def rms_norm_linear_fwd(
         x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
     )
     if interpret:
-        grid = (_cdiv(m, INTERPRET_BLOCK) * _cdiv(n, INTERPRET_BLOCK), 1)
+        grid = (runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK), 1)
         runtime.launchable(_rms_norm_linear_kernel, traced)[grid](
             *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
             BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
@@ -407,7 +397,7 @@ def rms_norm_linear_fwd(
         return c
 
     def grid(meta):
-        return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]), 1)
+        return (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), 1)
 
     runtime.launchable(_rms_norm_linear_kernel_prefill, traced)[grid](
         *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False

@@ -16,7 +16,6 @@ Activation names used throughout: "silu", "gelu" (exact, erf) and "gelu_tanh".
 from __future__ import annotations
 
 import torch
-import triton
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
@@ -54,8 +53,8 @@ INTERPRET_SM_COUNT = 2
 
 
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
+    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
+    block_m = max(1, min(TILE_ELEMENTS // block_n, runtime.next_power_of_2(n_rows)))
     return block_m, block_n
 
 
@@ -99,7 +98,7 @@ def _launch_gated_fwd(
     if out2.numel() == 0:
         return
     block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
     runtime.launchable(_gated_fwd_kernel, traced)[grid](
         g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0),
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
@@ -119,7 +118,7 @@ def _launch_gated_bwd(
     if dy2.numel() == 0:
         return
     block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
     runtime.launchable(_gated_bwd_kernel, traced)[grid](
         g2, u2, dy2, dg2, du2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
@@ -181,7 +180,7 @@ def _launch_bias_gelu_fwd(
     if out2.numel() == 0:
         return
     block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
     runtime.launchable(_bias_gelu_fwd_kernel, traced)[grid](
         x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0),
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
@@ -195,15 +194,15 @@ def _launch_bias_gelu_bwd(
     n_rows, n_cols = dx2.shape
     if dx2.numel() == 0:
         return torch.zeros_like(bias)
-    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(BIAS_GRAD_TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
-    col_blocks = triton.cdiv(n_cols, block_n)
+    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
+    block_m = max(1, min(BIAS_GRAD_TILE_ELEMENTS // block_n, runtime.next_power_of_2(n_rows)))
+    col_blocks = runtime.cdiv(n_cols, block_n)
     device = dx2.device
     sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
-    chunks = triton.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count, col_blocks)
-    chunks = max(1, min(chunks, triton.cdiv(n_rows, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, chunks), block_m) * block_m
-    chunks = triton.cdiv(n_rows, rows_per_program)
+    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count, col_blocks)
+    chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
+    rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
+    chunks = runtime.cdiv(n_rows, rows_per_program)
     partial = torch.empty((chunks, n_cols), dtype=torch.float32, device=device)
     runtime.launchable(_bias_gelu_bwd_kernel, traced)[(chunks, col_blocks)](
         x2, bias, dy2, dx2, partial, n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0),

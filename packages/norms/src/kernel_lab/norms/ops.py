@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
@@ -85,8 +84,8 @@ class _Tile:
 def _tile(n_rows: int, n_cols: int, max_fused_cols: int, backward: bool = False) -> _Tile:
     if n_cols > max_fused_cols:
         return _Tile(False, 1, *((WIDE_BLOCK_N, WIDE_NUM_WARPS) if backward else (LOOP_BLOCK_N, LOOP_NUM_WARPS)))
-    block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
+    block_n = runtime.next_power_of_2(n_cols)
+    block_m = max(1, min(ROWS_TILE // block_n, runtime.next_power_of_2(n_rows)))
     # about 16 elements per thread, 4 to 32 warps
     num_warps = min(32, max(4, block_m * block_n // 512))
     return _Tile(True, block_m, block_n, num_warps)
@@ -145,7 +144,7 @@ def rms_norm_fwd(
     z2 = x2 if gate is None else _as_rows(gate)
     u2 = y2 if u is None else u.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
+    grid = (runtime.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
     runtime.launchable(_rms_norm_fwd_kernel, via_op)[grid](
         x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
         n_rows, n_cols, eps, offset,
@@ -199,7 +198,7 @@ def rms_norm_bwd(
     t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
     sms = _sm_count(xn.device)
     if t.one_tile:
-        n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
+        n_programs = min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
@@ -207,8 +206,8 @@ def rms_norm_bwd(
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
-        rows_per_program = triton.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
-        n_programs = triton.cdiv(n_rows, rows_per_program)
+        rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+        n_programs = runtime.cdiv(n_rows, rows_per_program)
         partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
         runtime.launchable(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
@@ -238,7 +237,7 @@ def layer_norm_fwd(
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    grid = (triton.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
+    grid = (runtime.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
     runtime.launchable(_layer_norm_fwd_kernel, via_op)[grid](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
@@ -279,10 +278,10 @@ def layer_norm_bwd(
     t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
     sms = _sm_count(x.device)
     if t.one_tile:
-        n_programs = min(triton.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
+        n_programs = min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
     else:
-        rows_per_program = triton.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
-        n_programs = triton.cdiv(n_rows, rows_per_program)
+        rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+        n_programs = runtime.cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:

@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
@@ -85,21 +84,21 @@ def _plan(
     coop_chunk: int, coop_num_warps: int,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
-        block_n = triton.next_power_of_2(n_cols)
-        block_m = max(1, min(ROWS_TILE // block_n, triton.next_power_of_2(n_rows)))
+        block_n = runtime.next_power_of_2(n_cols)
+        block_m = max(1, min(ROWS_TILE // block_n, runtime.next_power_of_2(n_rows)))
         # about 16 elements per thread, 4 to 32 warps
         num_warps = min(32, max(4, block_m * block_n // 512))
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.device_info(device.index).sm_count if on_gpu else INTERPRET_SM_COUNT
-    n_chunks = triton.cdiv(n_cols, coop_chunk)
+    n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= sm_count:  # more chunks than SMs could wait forever (see _kernels.py)
         return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
-    n_splits = min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), triton.cdiv(n_cols, SPLIT_BLOCK_N))
+    n_splits = min(runtime.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), runtime.cdiv(n_cols, SPLIT_BLOCK_N))
     if n_splits <= 1:
         return _Plan("looped", block_n=loop_block_n, num_warps=LOOP_NUM_WARPS)
-    chunk = triton.cdiv(triton.cdiv(n_cols, n_splits), SPLIT_BLOCK_N) * SPLIT_BLOCK_N
-    n_splits = triton.cdiv(n_cols, chunk)
+    chunk = runtime.cdiv(runtime.cdiv(n_cols, n_splits), SPLIT_BLOCK_N) * SPLIT_BLOCK_N
+    n_splits = runtime.cdiv(n_cols, chunk)
     return _Plan("split", block_n=SPLIT_BLOCK_N, num_warps=SPLIT_NUM_WARPS, n_splits=n_splits, chunk=chunk)
 
 
@@ -110,8 +109,9 @@ def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """
     if t.ndim == 0:
         return t.reshape(1, 1)
-    t = t.movedim(dim, -1)
-    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    if dim != t.ndim - 1:  # (movedim costs microseconds of host time: skip it when it is a no-op)
+        t = t.movedim(dim, -1)
+    rows = t.reshape(-1, t.shape[-1]) if t.numel() else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -119,6 +119,8 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     """Inverse of `_as_rows` for a freshly allocated contiguous result."""
     if like.ndim == 0:
         return rows.reshape(())
+    if dim == like.ndim - 1:
+        return rows.view(like.shape)
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
@@ -149,7 +151,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         return _from_rows(y2, x, dim)
     plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK, COOP_NUM_WARPS)
     if plan.kind == "rows":
-        runtime.launchable(_softmax_fwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
+        runtime.launchable(_softmax_fwd_rows_kernel, traceable)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
@@ -157,7 +159,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         sync, (part_max, part_sum) = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             x2, y2, part_max, part_sum, sync, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
-            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
@@ -175,7 +177,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         )
         runtime.launchable(_softmax_fwd_split_kernel, traceable)[grid](
             x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
     return _from_rows(y2, x, dim)
@@ -194,7 +196,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N, BWD_COOP_CHUNK,
                  BWD_COOP_NUM_WARPS)
     if plan.kind == "rows":
-        runtime.launchable(_softmax_bwd_rows_kernel, traceable)[(triton.cdiv(n_rows, plan.block_m),)](
+        runtime.launchable(_softmax_bwd_rows_kernel, traceable)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
@@ -202,7 +204,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
         sync, (part_dot,) = _coop_workspace(n_rows, plan.n_splits, 1, y.device)
         runtime.launchable(_softmax_bwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             y2, dy2, dx2, part_dot, sync, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
-            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
@@ -220,7 +222,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
         runtime.launchable(_softmax_bwd_split_kernel, traceable)[grid](
             y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
     return _from_rows(dx2, dy, dim)
