@@ -39,6 +39,19 @@ def _host_ints(name: str, x: IndexLike, n: int | None = None) -> list[int] | Non
     return out
 
 
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int32 tensor of `values` on `device`, without synchronizing.
+
+    A host->device copy from pageable memory synchronizes the stream (the host waits for every
+    kernel queued before it); on CUDA the values are staged in pinned memory from PyTorch's
+    caching host allocator (which keeps the block until the copy has run) and copied
+    asynchronously.
+    """
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int32).to(device)
+
+
 def _check_positive(**kw: int) -> None:
     for name, v in kw.items():
         if not isinstance(v, int) or v < 1:
@@ -159,8 +172,8 @@ class _CacheBase:
 
     def _commit_append(self, layer, k, v, rows, counts, rows_list, counts_list, block_table=None):
         self._calibrate(layer, k, v)
-        seq_t = torch.tensor(rows, dtype=torch.int32).to(self.device) if rows is not None else None
-        cnt_t = torch.tensor(counts, dtype=torch.int32).to(self.device) if counts is not None else None
+        seq_t = self._seq_ids_tensor(rows) if rows is not None else None
+        cnt_t = _device_ints(counts, self.device) if counts is not None else None
         kv_append(
             k, v, self.k[layer], self.v[layer], self._lengths[layer],
             seq_ids=seq_t, counts=cnt_t, block_table=block_table,
@@ -229,23 +242,24 @@ class _CacheBase:
         self._check_rows(rows)
         if isinstance(seq_ids, torch.Tensor) and seq_ids.device == self.device:
             return rows, seq_ids
-        if compiling:
-            return rows, torch.tensor(rows, dtype=torch.int32).to(self.device)
+        return rows, self._seq_ids_tensor(rows)
+
+    def _seq_ids_tensor(self, rows: list[int]) -> torch.Tensor:
+        """The device int32 tensor of `rows` (checked by the caller at the current epoch),
+        memoized: the kernels only read it, so one copy serves every layer and step."""
+        if torch.compiler.is_compiling():
+            return _device_ints(rows, self.device)
+        memo = self._seq_ids_memo
         key = tuple(rows)
         hit = memo.get(key)
         if hit is None:
-            host = torch.tensor(rows, dtype=torch.int32)
-            if self.device.type == "cuda":
-                # Pinned (caching host allocator) + non_blocking: no stream synchronization.
-                seq_t = host.pin_memory().to(self.device, non_blocking=True)
-            else:
-                seq_t = host.to(self.device)
+            seq_t = _device_ints(rows, self.device)
             if len(memo) >= SEQ_IDS_MEMO_SIZE:
                 del memo[next(iter(memo))]
         else:
             seq_t = hit[1]
         memo[key] = (rows, seq_t, self._epoch)
-        return rows, seq_t
+        return seq_t
 
     def _max_len(self, layer: int, rows: list[int] | None, bsz: int) -> int:
         host = self._host_lengths[layer]
@@ -426,7 +440,7 @@ class PagedKVCache(_CacheBase):
             owned = self._owned[s]
             first = len(owned)
             owned.extend(self._free.pop() for _ in range(extra))
-            self.block_table[s, first : len(owned)] = torch.tensor(owned[first:], dtype=torch.int32).to(self.device)
+            self.block_table[s, first : len(owned)] = _device_ints(owned[first:], self.device)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, seq_ids: IndexLike = None,
                num_new: IndexLike = None) -> None:
