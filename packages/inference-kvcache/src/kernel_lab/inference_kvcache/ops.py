@@ -265,6 +265,7 @@ class DecodeCache:
     __slots__ = (
         "_launches",
         "_plans",
+        "_queries",
         "block_table",
         "bt_stride",
         "capacity",
@@ -317,6 +318,7 @@ class DecodeCache:
         self.sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
         self._plans: dict = {}
         self._launches: dict = {}
+        self._queries: dict = {}
 
 
 def flash_decode(
@@ -369,16 +371,23 @@ def decode_checked_cache(
     c = cache
     if q.device != c.device:
         raise ValueError(f"q is on {q.device} but the cache is on {c.device}")
-    if c.dtype != q.dtype and c.dtype != FP8_DTYPE:
-        raise TypeError(f"cache dtype {c.dtype} must be q's dtype {q.dtype} or float8_e4m3fn")
-    h_q, d = q.shape[-2:]
-    if c.d != d:
-        raise ValueError(f"head dim of q ({d}) != head dim of the cache ({c.d})")
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be <= {MAX_HEAD_DIM}, got {d}")
-    if h_q % c.h_kv != 0:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of kv heads ({c.h_kv})")
-    bsz = q.shape[0]
+    shape = q.shape
+    # What the checks below conclude depends only on q's shape and dtype: once per pair.
+    facts = c._queries.get((shape, q.dtype))
+    if facts is None:
+        if c.dtype != q.dtype and c.dtype != FP8_DTYPE:
+            raise TypeError(f"cache dtype {c.dtype} must be q's dtype {q.dtype} or float8_e4m3fn")
+        h_q, d = shape[-2:]
+        if c.d != d:
+            raise ValueError(f"head dim of q ({d}) != head dim of the cache ({c.d})")
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"head dim must be <= {MAX_HEAD_DIM}, got {d}")
+        if h_q % c.h_kv != 0:
+            raise ValueError(f"query heads ({h_q}) must be a multiple of kv heads ({c.h_kv})")
+        _, m_tiles = _m_tiling(h_q // c.h_kv, shape[1] if len(shape) == 4 else 1)
+        facts = c._queries[(shape, q.dtype)] = (m_tiles, 1.0 / math.sqrt(d))
+    m_tiles, default_scale = facts
+    bsz = shape[0]
     if seq_ids is not None:
         _check_index("seq_ids", seq_ids, c.device, 1)
         if seq_ids.shape[0] != bsz:
@@ -390,9 +399,8 @@ def decode_checked_cache(
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale = default_scale
     if num_splits is None:
-        _, m_tiles = _m_tiling(h_q // c.h_kv, q.shape[1] if q.dim() == 4 else 1)
         num_splits = _num_splits(bsz, c.h_kv, m_tiles, c.capacity if max_len is None else max_len, c.sm_count)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.kvcache_decode(
@@ -433,12 +441,12 @@ class _DecodePlan:
         "grid",
         "group",
         "h_kv",
-        "lse_shape",
+        "lse_numel",
         "m_tiles",
         "merge_grid",
         "merge_meta",
         "meta",
-        "part_shape",
+        "part_numel",
         "split",
         "t_q",
         "tune_key",
@@ -454,8 +462,10 @@ class _DecodePlan:
         block_m, m_tiles = _m_tiling(group, t_q)
         self.h_kv, self.t_q, self.group, self.m_tiles = c.h_kv, t_q, group, m_tiles
         self.split = num_splits > 1
-        self.part_shape = (bsz, h_q, t_q, num_splits, d)
-        self.lse_shape = (bsz, h_q, t_q, num_splits)
+        # (B, H_q, T_q, NUM_SPLITS, D) and (B, H_q, T_q, NUM_SPLITS), allocated flat: the kernels
+        # index them themselves, and a 1-D torch.empty parses faster than a 5-D one.
+        self.part_numel = bsz * h_q * t_q * num_splits * d
+        self.lse_numel = bsz * h_q * t_q * num_splits
         self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
         self.merge_grid = (bsz * h_q * t_q, 1, 1)
         # Autotune keys: the split length and the number of programs, as powers of two, so a
@@ -548,7 +558,7 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
     plan = c._plans.get(key)
     if plan is None:
         plan = c._plans[key] = _DecodePlan(c, tuple(shape), q.dtype, seq_ids is not None, num_splits)
-    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(shape, dtype=q.dtype, device=c.device)
     if out.numel() == 0:
         return out
     # A 3-D q is one token per sequence: T_q = 1 and a zero token stride, no reshape needed.
@@ -559,8 +569,8 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
     if plan.split:
-        o_part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(plan.part_numel, dtype=torch.float32, device=c.device)
+        lse_part = torch.empty(plan.lse_numel, dtype=torch.float32, device=c.device)
     else:
         o_part = lse_part = out  # never touched: SPLIT is a constexpr
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
