@@ -225,6 +225,9 @@ def _rms_norm_bwd_wide_kernel(
                                          stride_dgate_row, HAS_WEIGHT, HAS_GATE, True)
             acc += g * xhat
         tl.store(dot_ptr + rows, tl.sum(acc, axis=1) / n_cols)
+    # One thread stored each row's dot; every thread reads them below. Without a barrier a warp
+    # that runs ahead reads a dot before it is written (compute-sanitizer initcheck caught it).
+    tl.debug_barrier()
     # phase 2: column chunks outside, the block's rows inside: dweight of a chunk in registers
     for off in tl.range(0, n_cols, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
@@ -417,6 +420,7 @@ def _layer_norm_bwd_wide_kernel(
             acc_gx += g * xhat
         tl.store(dot_ptr + 2 * rows, tl.sum(acc_g, axis=1) / n_cols)
         tl.store(dot_ptr + 2 * rows + 1, tl.sum(acc_gx, axis=1) / n_cols)
+    tl.debug_barrier()  # the stores above before any thread's loads below (as in the RMSNorm kernel)
     # phase 2: column chunks outside, rows inside
     for off in tl.range(0, n_cols, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
