@@ -266,6 +266,7 @@ class DecodeCache:
         "_launches",
         "_plans",
         "_queries",
+        "_sm_count",
         "block_table",
         "bt_stride",
         "capacity",
@@ -282,7 +283,6 @@ class DecodeCache:
         "paged",
         "quant",
         "rows",
-        "sm_count",
         "v_cache",
         "v_scale",
     )
@@ -315,10 +315,17 @@ class DecodeCache:
         self.bt_stride = block_table.stride(0) if self.paged else 0
         self.page_size = k_cache.shape[1]
         self.quant = k_scale is not None
-        self.sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
+        self._sm_count = None  # read when a split plan first needs it (not while torch.compile traces)
         self._plans: dict = {}
         self._launches: dict = {}
         self._queries: dict = {}
+
+    def sm_count(self) -> int:
+        """SMs of the cache's device (INTERPRET_SM_COUNT off CUDA), for the split plan."""
+        if self._sm_count is None:
+            self._sm_count = (runtime.device_info(self.device.index).sm_count if self.is_cuda
+                              else INTERPRET_SM_COUNT)
+        return self._sm_count
 
 
 def flash_decode(
@@ -401,7 +408,7 @@ def decode_checked_cache(
     if scale is None:
         scale = default_scale
     if num_splits is None:
-        num_splits = _num_splits(bsz, c.h_kv, m_tiles, c.capacity if max_len is None else max_len, c.sm_count)
+        num_splits = _num_splits(bsz, c.h_kv, m_tiles, c.capacity if max_len is None else max_len, c.sm_count())
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.kvcache_decode(
             q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale, c.v_scale, float(scale),
