@@ -210,11 +210,12 @@ def sanitize(session: nox.Session) -> None:
     memcheck: the gpu and interpret tiers of every package, so every kernel runs, on LLM sizes and
     on the small odd shapes with masked tails where out-of-bounds accesses hide. racecheck and
     initcheck (much slower): the interpret tier of the packages in SANITIZE_SUBSET. Packages run as concurrent
-    processes (KERNEL_LAB_SANITIZE_JOBS, default 2; Triton compiles on the CPU), each logging to
+    processes (KERNEL_LAB_SANITIZE_JOBS, default 1; Triton compiles on the CPU), each logging to
     sanitize-logs/<tool>-<package>.log. `-- -k <expr>` narrows the tests (passed to pytest);
     KERNEL_LAB_SANITIZE_TOOLS=memcheck runs one tool only, KERNEL_LAB_SANITIZE_PACKAGES=softmax,norms
     some packages only. The caching allocator is off (see below), so tests that capture a CUDA
-    graph whose body allocates skip themselves; two jobs fit an H200's memory, six did not.
+    graph whose body allocates skip themselves. memcheck needs much device memory: two memcheck jobs ran
+    out of an H200's 139 GiB, one did not (except softmax, see docs/profiling.md).
     """
     import subprocess
     import time
@@ -222,7 +223,7 @@ def sanitize(session: nox.Session) -> None:
     sanitizer = _require_cuda_tool(session, "compute-sanitizer")
     _install_local(session, PACKAGES)
     tools = os.environ.get("KERNEL_LAB_SANITIZE_TOOLS", "memcheck,racecheck,initcheck").split(",")
-    jobs = int(os.environ.get("KERNEL_LAB_SANITIZE_JOBS", "2"))
+    jobs = int(os.environ.get("KERNEL_LAB_SANITIZE_JOBS", "1"))
     logs = ROOT / "sanitize-logs"
     logs.mkdir(exist_ok=True)
     # No caching allocator: memcheck then sees each tensor's own allocation, so an out-of-bounds

@@ -515,9 +515,11 @@ def _launch_tuned(kernel, key: tuple, grid, args, meta: dict):
     return kernel.fn[grid](*args, **meta, **cfg)
 
 
-# Direct launches of the compiled kernels (see _DirectLaunch); KERNEL_LAB_DIRECT_LAUNCH=0 turns
-# them off (every launch then goes through JITFunction.run, as before).
-DIRECT_LAUNCH = (os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "1") != "0" and _knobs is not None
+# Direct launches of the compiled kernels (see _DirectLaunch): opt-in with KERNEL_LAB_DIRECT_LAUNCH=1.
+# Off by default until the whole gpu tier has passed with it: one full `nox -s gpu_tests` run on
+# the H200 had two unexplained failures among the decode tests (not reproduced: the package's own
+# gpu run passed with it on). Off, every launch goes through JITFunction.run.
+DIRECT_LAUNCH = (os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "0") == "1" and _knobs is not None
                  and hasattr(_knobs.compilation, "instrumentation_mode"))
 
 
