@@ -45,15 +45,6 @@ INTERPRET_SM_COUNT = 4
 LOG2E = 1.4426950408889634
 
 
-# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are @jit functions whose
-# call costs microseconds each: on a decode step that is launch-bound that adds up.
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------------
@@ -214,7 +205,7 @@ def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, bloc
         t_new, h_kv, d,
         PAGED=block_table is not None, PAGE_SIZE=k_cache.shape[1],
         HAS_SEQ_IDS=seq_ids is not None, HAS_COUNTS=counts is not None, QUANT=k_scale is not None,
-        BLOCK_H=_pow2(h_kv), BLOCK_D=_pow2(d),
+        BLOCK_H=runtime.next_power_of_2(h_kv), BLOCK_D=runtime.next_power_of_2(d),
         num_warps=4,
     )
 
@@ -243,8 +234,8 @@ def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int
 
 def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
     rows = group * t_q
-    block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, _pow2(rows)))
-    return block_m, _cdiv(rows, block_m)
+    block_m = min(MAX_BLOCK_M, max(MIN_DOT_DIM, runtime.next_power_of_2(rows)))
+    return block_m, runtime.cdiv(rows, block_m)
 
 
 def _check_query(q) -> None:
@@ -481,12 +472,13 @@ class _DecodePlan:
         work_bucket = int(math.log2(max(1, bsz * c.h_kv * m_tiles * num_splits)))
         self.meta = {
             "len_bucket": len_bucket, "work_bucket": work_bucket,
-            "HEAD_DIM": d, "BLOCK_D": max(MIN_DOT_DIM, _pow2(d)), "BLOCK_M": block_m,
+            "HEAD_DIM": d, "BLOCK_D": max(MIN_DOT_DIM, runtime.next_power_of_2(d)), "BLOCK_M": block_m,
             "PAGED": c.paged, "PAGE_SIZE": c.page_size, "HAS_SEQ_IDS": has_seq_ids,
             "QUANT": c.quant, "SPLIT": self.split,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         }
-        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": _pow2(d), "BLOCK_S": _pow2(num_splits), "num_warps": 4}
+        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": runtime.next_power_of_2(d),
+                           "BLOCK_S": runtime.next_power_of_2(num_splits), "num_warps": 4}
         # Everything the autotuner's key is made of (its key arguments and the dtypes of the
         # tensor arguments), and more: the config it picks for this key is reused (_launch_tuned).
         self.tune_key = (d, block_m, c.paged, c.quant, len_bucket, work_bucket, dtype, c.dtype, has_seq_ids,
