@@ -94,6 +94,20 @@ def _softmax_fwd_rows_kernel(
 
 
 @triton.jit
+def _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2: tl.constexpr, VOLATILE: tl.constexpr):
+    """A row's (shift, sum) from its chunks' (max, sum(exp(x - max))): max of maxes, sums rescaled.
+
+    VOLATILE: the chunks were written by other programs of this launch (bypass L1: another
+    program on this SM may have cached the lines before they were final).
+    """
+    idx = tl.arange(0, SPLITS_POW2)
+    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=float("-inf"), volatile=VOLATILE)
+    part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0, volatile=VOLATILE)
+    shift = _safe_shift(tl.max(part_m, axis=0))
+    return shift, tl.sum(part_s * tl.exp(part_m - shift), axis=0)
+
+
+@triton.jit
 def _coop_ticket(sync_ptr, n_splits):
     """(row, split) of this program, in the order programs started (see the module docstring)."""
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
@@ -132,12 +146,7 @@ def _softmax_fwd_coop_kernel(
     tl.store(max_ptr + part, chunk_max)
     tl.store(sum_ptr + part, tl.sum(e, axis=0))
     _coop_arrive_and_wait(sync_ptr, row, n_splits)
-    # volatile: another program of this SM may have cached these lines in L1 before they were final
-    idx = tl.arange(0, SPLITS_POW2)
-    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=float("-inf"), volatile=True)
-    part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0, volatile=True)
-    shift = _safe_shift(tl.max(part_m, axis=0))
-    s = tl.sum(part_s * tl.exp(part_m - shift), axis=0)
+    shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2, True)
     if LOG:
         y = tl.where(s > 0, x - shift - tl.log(s), float("-inf"))
     else:
@@ -188,15 +197,10 @@ def _softmax_fwd_split_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    # merge the row's per-chunk statistics: max of maxes, sums rescaled to it
-    idx = tl.arange(0, SPLITS_POW2)
-    part_m = tl.load(max_ptr + row * n_splits + idx, mask=idx < n_splits, other=float("-inf"))
-    part_s = tl.load(sum_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0)
-    m = tl.max(part_m, axis=0)
-    s = tl.sum(part_s * tl.exp(part_m - _safe_shift(m)), axis=0)
+    shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2, False)
     start = split * chunk
     end = tl.minimum(start + chunk, n_cols)
-    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, m, s, LOG, BLOCK_N)
+    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, shift, s, LOG, BLOCK_N)
 
 
 # Backward. softmax: dx = y * (dy - sum(y * dy)); log-softmax: dx = dy - exp(y) * sum(dy).
