@@ -211,11 +211,13 @@ def sanitize(session: nox.Session) -> None:
     on the small odd shapes with masked tails where out-of-bounds accesses hide. racecheck and
     initcheck (much slower): the interpret tier of the packages in SANITIZE_SUBSET. Packages run as concurrent
     processes (KERNEL_LAB_SANITIZE_JOBS, default 1; Triton compiles on the CPU), each logging to
-    sanitize-logs/<tool>-<package>.log. `-- -k <expr>` narrows the tests (passed to pytest);
+    sanitize-logs/<tool>-<package>[-<tier>[-<chunk>]].log; memcheck runs a gpu tier
+    KERNEL_LAB_SANITIZE_CHUNK tests (default 4) per process (see below). `-- -k <expr>` narrows
+    the tests (passed to pytest);
     KERNEL_LAB_SANITIZE_TOOLS=memcheck runs one tool only, KERNEL_LAB_SANITIZE_PACKAGES=softmax,norms
-    some packages only. The caching allocator is off (see below), so tests that capture a CUDA
-    graph whose body allocates skip themselves. memcheck needs much device memory: two memcheck jobs ran
-    out of an H200's 139 GiB, one did not (except softmax, see docs/profiling.md).
+    some packages only. PyTorch's caching allocator is off (see below), so tests that capture a
+    CUDA graph whose body allocates skip themselves. memcheck needs much device memory: keep one
+    job (two ran out of an H200's 139 GiB).
     """
     import subprocess
     import time
@@ -226,48 +228,65 @@ def sanitize(session: nox.Session) -> None:
     jobs = int(os.environ.get("KERNEL_LAB_SANITIZE_JOBS", "1"))
     logs = ROOT / "sanitize-logs"
     logs.mkdir(exist_ok=True)
-    # No caching allocator: memcheck then sees each tensor's own allocation, so an out-of-bounds
-    # access into a neighbouring block of the cache is reported instead of hidden.
+    # No caching allocator: each tensor is its own allocation, so an access past a tensor's end
+    # into a neighbouring block of the cache is reported instead of hidden (and initcheck sees
+    # fresh, unwritten memory, not a recycled block).
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    # memcheck does not give device memory freed by the program back to it (seen on an H200 with
+    # compute-sanitizer 2025.3: memory in use only grew, also with cudaMallocAsync), so one
+    # process can allocate at most the GPU's memory in all. softmax's gpu tier allocates GBs of
+    # float64 references per test: the gpu tier runs a few tests per process.
+    chunk = int(os.environ.get("KERNEL_LAB_SANITIZE_CHUNK", "4"))
     only = os.environ.get("KERNEL_LAB_SANITIZE_PACKAGES")
     packages = [p for p in PACKAGES if not only or p in only.split(",")]
-    runs = []  # (tool, package, tier)
+    runs = []  # (tool, package, tier, test ids or None for the whole tier, log name)
     for tool in tools:
         if tool == "memcheck":
-            runs += [(tool, p, "gpu or interpret") for p in packages]
+            for p in packages:
+                runs.append((tool, p, "interpret", None, f"{tool}-{p}-interpret"))
+                ids = _collect(session, p, "gpu", env)
+                runs += [(tool, p, "gpu", ids[i : i + chunk], f"{tool}-{p}-gpu-{i // chunk:02d}")
+                         for i in range(0, len(ids), chunk)]
         else:
-            runs += [(tool, p, "interpret") for p in SANITIZE_SUBSET[tool] if p in packages]
+            runs += [(tool, p, "interpret", None, f"{tool}-{p}") for p in SANITIZE_SUBSET[tool] if p in packages]
     pending, running, failed = list(runs), [], []
     while pending or running:
         while pending and len(running) < jobs:
-            tool, package, tier = pending.pop(0)
+            tool, package, tier, ids, name = pending.pop(0)
             # (no --leak-check: torch keeps its context, handles and module-level tensors to exit)
             extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
+            tests = ids if ids is not None else [_package_path(package) + "/tests", *session.posargs]
             cmd = [sanitizer, "--tool", tool, "--error-exitcode", "1", "--target-processes", "all",
                    "--print-limit", "100", *extra,
-                   "python", "-m", "pytest", *PYTEST_FLAGS, "-p", "no:cacheprovider", "-m", tier,
-                   _package_path(package) + "/tests", *session.posargs]
-            log = logs / f"{tool}-{package}.log"
-            session.log(f"compute-sanitizer --tool {tool}: {package} ({tier}) -> {log.relative_to(ROOT)}")
+                   "python", "-m", "pytest", *PYTEST_FLAGS, "-p", "no:cacheprovider", "-m", tier, *tests]
+            log = logs / f"{name}.log"
             with open(log, "w") as fh:
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            running.append((tool, package, log, proc, time.monotonic()))
+            running.append((name, log, proc, time.monotonic()))
         time.sleep(1)
         for item in list(running):
-            tool, package, log, proc, started = item
+            name, log, proc, started = item
             if proc.poll() is None:
                 continue
             running.remove(item)
             lines = log.read_text().splitlines()
             summary = next((ln for ln in reversed(lines) if "ERROR SUMMARY" in ln), "no ERROR SUMMARY line")
             result = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln), "")
-            session.log(f"{tool} {package}: exit {proc.returncode} in {time.monotonic() - started:.0f}s; "
+            session.log(f"{name}: exit {proc.returncode} in {time.monotonic() - started:.0f}s; "
                         f"{summary.strip()}; {result.strip()}")
             if proc.returncode != 0:
-                failed.append(f"{tool}/{package}")
+                failed.append(name)
     if failed:
         session.error(f"compute-sanitizer reported errors (or tests failed) in: {', '.join(failed)} "
-                      "(see sanitize-logs/)")
+                      "(logs: sanitize-logs/<name>.log)")
+
+
+def _collect(session: nox.Session, package: str, tier: str, env: dict) -> list[str]:
+    """The test ids of one package's tier, narrowed by the session's posargs (e.g. -k)."""
+    out = session.run("python", "-m", "pytest", "--collect-only", "-q", *PYTEST_FLAGS[1:], "-p", "no:cacheprovider",
+                      "-m", tier, _package_path(package) + "/tests", *session.posargs,
+                      env=env, silent=True, success_codes=[0, 5])  # 5: nothing selected
+    return [ln.strip() for ln in out.splitlines() if "::" in ln]
 
 
 @nox.session
