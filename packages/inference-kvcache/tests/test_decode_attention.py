@@ -41,9 +41,13 @@ def test_decode_paged_gives_the_contiguous_result(kvh, kernel_device, seed, bloc
         kvh.fill(c, 0, lengths, dtype=torch.float16, seed=seed, prefill=20)
     q = randn(4, 8, 16, dtype=torch.float16, seed=seed + 3, device=kernel_device)
     outs = [decode_attention(q, c, 0, num_splits=2) for c in caches]
-    kvh.check_decode(outs[1], q, caches[1], 0)
-    # Same tiles, same order: paging only changes addresses, so the results are identical.
-    assert torch.equal(outs[0], outs[1])
+    for out, cache in zip(outs, caches, strict=True):
+        kvh.check_decode(out, q, cache, 0)
+    # Paging only changes addresses. With the same tiles the results would be identical, but on
+    # CUDA the autotuner tunes the paged and the contiguous kernel separately (PAGED is in its
+    # key) and may pick a different BLOCK_N for each, which reorders the online-softmax sums:
+    # the H200 gave results 1 float16 ulp apart. Allowed: 2 ulps (rtol 2 * 2**-10).
+    torch.testing.assert_close(outs[1], outs[0], rtol=2 * 2**-10, atol=2**-24)
 
 
 @pytest.mark.interpret
