@@ -151,15 +151,18 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of benchmark rows (after `add_speedups`), grouped, plus geomeans."""
 
     def cell(info: dict[str, Any], key: str, fmt: str) -> str:
-        return format(info[key], fmt) if key in info else "-"
+        """info[key] in format `fmt` ("8.0f": width 8), or "-" in the same width."""
+        return format(info[key], fmt) if key in info else "-".rjust(int(fmt.split(".")[0]))
 
-    header = f"{'group':<44} {'impl':<16} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} " \
+    # impl names in full: "kernel_lab paged16" and "kernel_lab paged64" must stay apart
+    iw = max([16, *(len(r["extra_info"].get("impl", r["name"])) for r in rows)])
+    header = f"{'group':<44} {'impl':<{iw}} {'ms':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} " \
              f"{'x base':>7} {'x peer':>7} {'max err':>9}"
     lines = [header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r.get("group") or "", r["stats"]["median"])):
         info = r["extra_info"]
         lines.append(
-            f"{(r.get('group') or '')[:44]:<44} {info.get('impl', r['name'])[:16]:<16} "
+            f"{(r.get('group') or '')[:44]:<44} {info.get('impl', r['name']):<{iw}} "
             f"{r['stats']['median'] * 1e3:>9.4f} {cell(info, 'gbps', '8.0f')} "
             f"{cell(info, 'pct_peak_bw', '6.1f')} {cell(info, 'tflops', '8.1f')} "
             f"{cell(info, 'speedup', '7.2f')} {cell(info, 'vs_best_peer', '7.2f')} "
