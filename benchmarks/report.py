@@ -60,6 +60,11 @@ class Run:
         return (f"{m.get('device', '?')}, driver {m.get('driver', '?')}, CUDA {m.get('cuda', '?')}, "
                 f"torch {m.get('torch', '?')}, triton {m.get('triton', '?')}")
 
+    def round_ms(self) -> float:
+        """Median over rows of one timed round (calls per round x time per call), in ms."""
+        rounds = sorted(b["stats"]["iterations"] * b["stats"]["median"] * 1e3 for b in self.data["benchmarks"])
+        return rounds[len(rounds) // 2] if rounds else float("nan")
+
     def peaks(self) -> str:
         m = self.machine
         return (f"measured copy {_fmt(m.get('copy_bandwidth_gbps'), '.0f')} GB/s, "
@@ -279,7 +284,8 @@ def provenance(res: PackageResult) -> list[str]:
     for run in res.runs:
         rel = run.path.relative_to(ROOT) if run.path.is_relative_to(ROOT) else run.path
         n = sum(1 for g in res.groups if g.run is run)
-        lines.append(f"- `{rel}` ({run.when:%Y-%m-%d %H:%M} UTC, {n} cases): {run.versions()}; {run.peaks()}")
+        lines.append(f"- `{rel}` ({run.when:%Y-%m-%d %H:%M} UTC, {n} cases): {run.versions()}; {run.peaks()}; "
+                     f"rounds of {run.round_ms():.0f} ms")
     return lines
 
 
@@ -301,7 +307,9 @@ LEGEND = (
     "roofline side of the case (FLOP/byte above or below the run's measured matmul rate / copy "
     "bandwidth); % of measured peak: achieved GB/s over the measured copy bandwidth (BW) or "
     "TFLOP/s over the measured bf16 matmul rate (MM) of that run (fp8 rows too, so they can pass "
-    "100%)."
+    "100%). Rounds: the median length of one timed round of back-to-back calls; a round starts on "
+    "an idle GPU, so with rounds of about 2 ms (runs before kernel-lab-shared 0.1.1) the host work "
+    "of each round's first call reads as slower kernels on ops with much host work per call."
 )
 
 
