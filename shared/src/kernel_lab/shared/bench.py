@@ -72,9 +72,9 @@ def run_cuda(benchmark, fn, *, min_round_seconds: float = 20e-3, rounds: int = 3
     Each round starts on an idle GPU (the timer synchronizes), so the host work of its first call
     is not overlapped with any kernel. Rounds of ~20 ms keep that near 1% of the round (the call
     count comes from one synchronized call, which overestimates a call: stored rounds are
-    10-20 ms). With 2 ms
-    rounds an AdamW step over 62 tensors (0.2 ms of host work, 0.70 ms kernel) read 0.765 ms per
-    call at 3 calls per round against 0.709 ms at 30 (H200, torch 2.11), an 8% artefact.
+    10-20 ms). With 2 ms rounds an AdamW step over 62 tensors (0.2 ms of host work, 0.70 ms
+    kernel) read 0.765 ms per call at 3 calls per round against 0.709 ms at 30 (H200, torch
+    2.11), an 8% artefact.
     """
     for _ in range(warmup_rounds):
         fn()
