@@ -270,7 +270,8 @@ def sanitize(session: nox.Session) -> None:
                 continue
             running.remove(item)
             lines = log.read_text().splitlines()
-            summary = next((ln for ln in reversed(lines) if "ERROR SUMMARY" in ln), "no ERROR SUMMARY line")
+            # memcheck/initcheck end with "ERROR SUMMARY: ...", racecheck with "RACECHECK SUMMARY: ..."
+            summary = next((ln for ln in reversed(lines) if " SUMMARY: " in ln), "no SUMMARY line")
             result = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln), "")
             session.log(f"{name}: exit {proc.returncode} in {time.monotonic() - started:.0f}s; "
                         f"{summary.strip()}; {result.strip()}")
