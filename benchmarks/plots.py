@@ -34,8 +34,9 @@ def _subtitle(res: report.PackageResult) -> str:
     return f"{'; '.join(versions)}\n{peaks}"
 
 
-def _figure(n: int, title: str, res: report.PackageResult):
-    height = 2.0 + 0.42 * n
+def _figure(n: int, title: str, res: report.PackageResult, extra: float = 0.0):
+    """A figure for n bars pairs (extra: inches added at the bottom, e.g. for a legend)."""
+    height = 2.0 + 0.42 * n + extra
     fig, ax = plt.subplots(figsize=(11, height))
     fig.suptitle(title, fontsize=12, fontweight="bold", x=0.01, y=1 - 0.12 / height, ha="left", va="top")
     ax.set_title(_subtitle(res), fontsize=8, loc="left", color="0.3")
@@ -84,7 +85,8 @@ def roofline_chart(res: report.PackageResult, path: Path) -> None:
     groups = [g for g in res.groups if g.bound]
     if not groups:
         return
-    fig, ax = _figure(len(groups), f"{res.package}: % of measured peak per case ({res.model})", res)
+    fig, ax = _figure(len(groups), f"{res.package}: % of measured peak per case ({res.model})", res, extra=0.5)
+    ax_inches = 0.42 * len(groups) + 0.6  # about the axes' height: places the legend below it
     colors = {"memory": ("#2e8b57", "#a8d5ba"), "compute": ("#b9770e", "#f5cba7")}
     for i, g in enumerate(groups):
         dark, light = colors[g.bound]
@@ -105,7 +107,7 @@ def roofline_chart(res: report.PackageResult, path: Path) -> None:
         Patch(color=colors["memory"][1], label="best peer, memory-bound"),
         Patch(color=colors["compute"][0], label="kernel_lab, compute-bound: % of measured bf16 matmul rate"),
         Patch(color=colors["compute"][1], label="best peer, compute-bound"),
-    ], loc="lower right", fontsize=7)
+    ], loc="upper left", bbox_to_anchor=(0.0, -0.75 / ax_inches), ncol=2, fontsize=7)  # under the x label
     _finish(fig, ax, groups, path)
 
 
