@@ -74,7 +74,7 @@ def run_cuda(benchmark, fn, *, min_round_seconds: float = 20e-3, rounds: int = 3
     count comes from one synchronized call, which overestimates a call: stored rounds are
     10-20 ms). With 2 ms rounds an AdamW step over 62 tensors (0.2 ms of host work, 0.70 ms
     kernel) read 0.765 ms per call at 3 calls per round against 0.709 ms at 30 (H200, torch
-    2.11), an 8% artefact.
+    2.11, triton 3.6), an 8% artefact.
     """
     for _ in range(warmup_rounds):
         fn()
