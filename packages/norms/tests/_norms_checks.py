@@ -96,11 +96,13 @@ def ref_backward(op: str, inputs: dict, grads, eps: float, offset: float) -> dic
 
 
 def check_op(op: str, inputs: dict, *, eps: float = 1e-6, offset: float = 0.0, seed: int = 0,
-             grad: bool = True, use_u: bool = True, **kw) -> None:
-    """Forward (and backward) of `op` on `inputs` against the reference, the tolerance rule."""
+             grad: bool = True, use_u: bool = True, fn=call, **kw) -> None:
+    """Forward (and backward) of `op` on `inputs` against the reference, the tolerance rule.
+
+    fn: what computes our outputs, called like `call` (e.g. a torch.compile'd wrapper of it)."""
     leaves = {k: v.detach().clone().requires_grad_(grad) for k, v in inputs.items() if v is not None}
     ours_in = {k: leaves.get(k) for k in inputs}
-    outs = call(op, ours_in, eps, offset, **kw)
+    outs = fn(op, ours_in, eps, offset, **kw)
     refs = ref_forward(op, inputs, eps, offset)
     base_in = {k: None if v is None else v.detach().clone().requires_grad_(grad) for k, v in inputs.items()}
     bases = baseline(op, base_in, eps, offset)
