@@ -155,18 +155,27 @@ def test_llm_layer_one_step_matches_reference(seed, dtype, master_weights):
         p2.grad = p.grad
     opt2.step()
     state_after_1 = [copy.copy(opt2.state[p2]) for p2 in opt2.param_groups[0]["params"]]
-    for i, (p, p2, st) in enumerate(zip(params, opt2.param_groups[0]["params"], state_after_1, strict=True)):
+
+    def check(step, start, grad, m, v, got_p, got_state, i):
+        """Our param/state after `step` against the reference step from (start, m, v)."""
         rp, rm, rv, _ = reference.adamw_step(
-            st.get("master_param", p2.detach()), p.grad, st["exp_avg"], st["exp_avg_sq"], step=2, lr=hp["lr"],
-            beta1=0.9, beta2=0.95, eps=hp["eps"], weight_decay=hp["weight_decay"],
+            start, grad, m, v, step=step, lr=hp["lr"], beta1=0.9, beta2=0.95, eps=hp["eps"],
+            weight_decay=hp["weight_decay"],
         )
-        testing.assert_close_to_reference(opt.state[p]["exp_avg_sq"], rv, name=f"v[{i}]")
-        testing.assert_close_to_reference(opt.state[p]["exp_avg"], rm, name=f"m[{i}]")
+        testing.assert_close_to_reference(got_state["exp_avg_sq"], rv, name=f"step {step} v[{i}]")
+        testing.assert_close_to_reference(got_state["exp_avg"], rm, name=f"step {step} m[{i}]")
         if master_weights:
-            testing.assert_close_to_reference(opt.state[p]["master_param"], rp, name=f"master[{i}]")
-            assert torch.equal(p.detach(), opt.state[p]["master_param"].to(dtype))
+            testing.assert_close_to_reference(got_state["master_param"], rp, name=f"step {step} master[{i}]")
+            assert torch.equal(got_p, got_state["master_param"].to(dtype))
         else:
             testing.assert_close_to_reference(
-                p.detach(), rp, rp.to(dtype), factor=1.0, atol=1e-6 * max(1.0, float(rp.abs().max())), name=f"p[{i}]"
+                got_p, rp, rp.to(dtype), factor=1.0, atol=1e-6 * max(1.0, float(rp.abs().max())),
+                name=f"step {step} p[{i}]",
             )
-        del rp, rm, rv
+
+    for i, (b, p2, st) in enumerate(zip(before, opt2.param_groups[0]["params"], state_after_1, strict=True)):
+        zeros = torch.zeros_like(b, dtype=torch.float32)
+        check(1, b.float(), p2.grad, zeros, zeros, p2.detach(), st, i)
+    for i, (p, p2, st) in enumerate(zip(params, opt2.param_groups[0]["params"], state_after_1, strict=True)):
+        check(2, st.get("master_param", p2.detach()), p.grad, st["exp_avg"], st["exp_avg_sq"], p.detach(),
+              opt.state[p], i)
