@@ -38,7 +38,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FWD_MAX_FUSED_COLS = 16384
 # The backward holds x, dy and the dweight accumulator (the weight is re-read from L1 per row
 # to save registers): 3 x 16 values per thread at 16384 columns and 32 warps. At 16384 columns
-# this one-tile path beat the wide one by 10% (H200, bf16, 4096 rows).
+# this one-tile path beat the wide one in a sweep on an H200 (bf16, 4096 rows).
 BWD_MAX_FUSED_COLS = 16384
 # Elements one program of a one-tile kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency.
@@ -47,15 +47,15 @@ ROWS_TILE = 4096
 # fastest of (4096, 8) and (8192, 16) on an H200 at 1024 x 65536 bf16.
 LOOP_BLOCK_N, LOOP_NUM_WARPS = 8192, 16
 WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
-# Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were 8-17%
-# slower on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
+# Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were slower
+# on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
 BWD_WARPS_PER_SM = 64
 # Programs per SM of the looped forward (0: one program per row), whose second pass re-reads the
-# rows in flight. On an H200 at 1024 x 65536 bf16: 4 per SM 61%, 2 per SM 58%, one program per
-# row 59% of copy bandwidth; fewer rows in flight fit the L2 better but keep fewer loads going.
+# rows in flight. On an H200 at 1024 x 65536 bf16, 4 per SM was the fastest of 4, 2 and one
+# program per row: fewer rows in flight fit the L2 better but keep fewer loads going.
 LOOP_PROGRAMS_PER_SM = 4
 # Programs per SM of the wide backward; each owns a contiguous block of rows, read twice. Two
-# beat one and four on an H200 at 1024 x 65536 bf16 (44% of copy bandwidth, vs 37-44% and 35%).
+# beat one and four on an H200 at 1024 x 65536 bf16.
 WIDE_PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; a small stand-in still exercises several programs on the CPU.
 INTERPRET_SM_COUNT = 4
