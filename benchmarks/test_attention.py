@@ -145,7 +145,7 @@ def test_attention_forward(benchmark, impl, shape):
     fn = _impl(impl, causal, t, hq != hkv)
     with torch.no_grad():
         out = _call(fn, q, k, v, impl)
-        err = float((out[:1, :1].double() - _first_head_ref(q, k, v, causal)).abs().max())
+        err = bench.max_error(out[:1, :1], _first_head_ref(q, k, v, causal))
         del out
         bench.run_cuda(benchmark, lambda: fn(q, k, v), rounds=10)
     bench.annotate(benchmark, impl=impl, role=_role(impl, t), max_error=err,
@@ -166,7 +166,7 @@ def test_attention_backward(benchmark, impl, shape):
     bench.run_cuda(benchmark, lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), rounds=10)
     dq = torch.autograd.grad(out, (q,), do, retain_graph=True)[0]
     ref_dq = reference.attention_backward(q[:1, :1], k[:1, :1], v[:1, :1], do[:1, :1], causal=causal)[0]
-    err = float((dq[:1, :1].double() - ref_dq).abs().max())
+    err = bench.max_error(dq[:1, :1], ref_dq)
     bench.annotate(benchmark, impl=impl, role=_role(impl, t), max_error=err,
                    flops=bench.attention_flops(b, hq, t, t, d, causal=causal, backward=True))
 
@@ -215,7 +215,7 @@ def test_rope(benchmark, impl, backward):
         fn = attn.apply_rope
     qo, ko = fn(q, k, cos, sin)
     ref_q = reference.rope(q[:1].detach(), cos[:1], sin[:1])
-    err = float((qo[:1].double() - ref_q).abs().max())
+    err = bench.max_error(qo[:1], ref_q)
     if backward:
         dq, dk = torch.randn_like(qo), torch.randn_like(ko)
         bench.run_cuda(benchmark, lambda: torch.autograd.grad((qo, ko), (q, k), (dq, dk), retain_graph=True))

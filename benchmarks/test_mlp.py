@@ -142,7 +142,7 @@ def test_mlp(benchmark, case, direction, impl):
         got = got[:1] if op == "bias_gelu" else got
     else:
         got = (y,)
-    max_error = max(float((g[:ERROR_ROWS].double() - r).abs().max()) for g, r in zip(got, ref, strict=True))
+    max_error = max(bench.max_error(g[:ERROR_ROWS], r) for g, r in zip(got, ref, strict=True))
     if backward:
         bench.run_cuda(benchmark, lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), rounds=20)
     else:

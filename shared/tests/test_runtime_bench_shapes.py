@@ -63,6 +63,14 @@ def test_add_speedups_and_table():
     assert "geomean speedup over baseline 4.00x" in bench.format_table(rows)
 
 
+def test_max_error_is_the_largest_difference_and_nan_on_a_nonfinite_mismatch():
+    ref = torch.tensor([[1.0, -2.0], [3.0, float("inf")]], dtype=torch.float64)
+    out = torch.tensor([[1.5, -2.0], [2.0, float("inf")]], dtype=torch.bfloat16)
+    assert bench.max_error(out, ref) == 1.0
+    out[0, 0] = float("nan")
+    assert bench.max_error(out, ref) != bench.max_error(out, ref)  # NaN
+
+
 def test_shape_presets():
     m = shapes.model("llama-3-8b")
     assert (m.hidden_size, m.intermediate_size, m.gqa_ratio, m.head_dim) == (4096, 14336, 4, 128)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import runtime
+from . import runtime, testing
 
 __all__ = [
     "add_speedups",
@@ -32,6 +32,7 @@ __all__ = [
     "cuda_timer",
     "format_table",
     "matmul_flops",
+    "max_error",
     "run_cuda",
 ]
 
@@ -83,6 +84,13 @@ def run_cuda(benchmark, fn, *, min_round_seconds: float = 20e-3, rounds: int = 3
     one_call = max(cuda_timer() - start, 1e-6)
     iterations = max(1, math.ceil(min_round_seconds / one_call))
     return benchmark.pedantic(fn, rounds=rounds, iterations=iterations, warmup_rounds=1)
+
+
+def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """A benchmark row's max_error: max |out - ref| over finite positions (testing.error_report),
+    NaN when out and ref differ in where they hold NaN or inf."""
+    report = testing.error_report(out, ref)
+    return float("nan") if report.nonfinite_mismatches else report.max_abs_error
 
 
 def annotate(
