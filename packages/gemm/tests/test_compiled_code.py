@@ -2,21 +2,33 @@
 asynchronous copies. No GPU needed: triton compiles for a target offline.
 
 A regression guard for a measured slowdown: a K-tail mask written `k + offs_k < k_end` hid the
-mask's 16-element constancy from the compiler, which then emitted 2-byte loads and no pipeline
-(~6x slower prefill, ~2.5x slower decode on an H200). Skipped under TRITON_INTERPRET=1, where
-`triton.jit` yields interpreter functions that cannot be compiled.
+mask's 16-element constancy from the compiler, which then emitted 2-byte loads and no pipeline,
+several times slower for both prefill and decode on Hopper. Under TRITON_INTERPRET=1 (CI) the
+kernels are interpreter objects, so one test reruns this file in a subprocess with the
+interpreter off (kernel_lab.shared.testing.rerun_without_interpreter); the tests skip only where
+the triton wheel has no CUDA backend, and a compile failure fails them.
 """
 
 import re
 
 import pytest
 
-from kernel_lab.shared import runtime
+from kernel_lab.shared import testing
 
-pytestmark = pytest.mark.skipif(runtime.interpret_mode(), reason="TRITON_INTERPRET=1: kernels are not compilable")
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_backend(request):
+    testing.require_sm90_compiler(request.node.name)
+
+
+def test_rerun_without_interpreter():
+    testing.rerun_without_interpreter(__file__, timeout=600)
 
 
 def compile_for_sm90(fn, pointer_types, constexprs, num_warps, num_stages):
+    """Like testing.compile_for_sm90, plus the launcher's 16-divisibility specialisation of the
+    integer and pointer arguments, which the 16-byte loads checked here depend on (the shared
+    helper passes no `attrs`)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -32,11 +44,8 @@ def compile_for_sm90(fn, pointer_types, constexprs, num_warps, num_stages):
         if t != "constexpr" and n not in skip
     }
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    try:
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this triton build
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 CASES = {

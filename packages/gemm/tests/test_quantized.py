@@ -158,12 +158,14 @@ def test_patch_hf_replaces_linears(kernel_device, seed):
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(kernel_device, torch.float16)
     model.lm_head = nn.Linear(16, 8).to(kernel_device, torch.float16)
     x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed)
-    expected = model[2](model[1](model[0](x)))
+    w0, b0, w2, b2 = (t.detach().clone() for t in (model[0].weight, model[0].bias, model[2].weight, model[2].bias))
+    expected = model[2](model[1](model[0](x))).detach()  # the unpatched fp16 model: the baseline
     assert patch_hf(model) == 2
-    assert isinstance(model[0], Linear) and type(model.lm_head) is nn.Linear
+    assert isinstance(model[0], Linear) and isinstance(model[2], Linear) and type(model.lm_head) is nn.Linear
     out = model[2](model[1](model[0](x)))
-    testing.assert_close_to_reference(out, reference.matmul(model[1](model[0](x)), model[2].weight.t(), model[2].bias),
-                                      expected, factor=FACTOR)
+    # The float64 reference of the whole stack, from the weights saved before patching.
+    ref = reference.matmul(reference.matmul(x, w0.t(), b0, "relu"), w2.t(), b2)
+    testing.assert_close_to_reference(out, ref, expected, factor=FACTOR, name="patched model")
     assert patch_hf(model, bits=8) == 0  # Linear subclasses are not replaced twice
 
 
@@ -185,3 +187,6 @@ def test_quantized_matmul_torch_compile_fullgraph(seed):
     qw = quantize_weight(testing.randn(256, 512, dtype=torch.bfloat16, device="cuda", seed=seed + 1), 4, 128)
     out = torch.compile(lambda x: quantized_matmul(x, qw), fullgraph=True)(x)
     torch.testing.assert_close(out, quantized_matmul(x, qw), rtol=0, atol=0)
+    ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
+    testing.assert_close_to_reference(out, ref, x @ qw.dequantize().to(x.dtype).T, factor=FACTOR,
+                                      name="compiled int4 matmul")

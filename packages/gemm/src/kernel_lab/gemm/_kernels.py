@@ -128,7 +128,9 @@ def _matmul_kernel(
     # The K-tail mask is written `offs_k < k_len - k` (a scalar bound, as in Triton's matmul
     # tutorial): with K and K_PER_SPLIT multiples of 16 the compiler then knows the mask is
     # constant over 16-element runs, so loads stay 16-byte vectors and the loop is pipelined with
-    # asynchronous copies. The form `k + offs_k < k_end` hides that and measured ~6x slower.
+    # asynchronous copies. The form `k + offs_k < k_end` hides that constancy: the compiler then
+    # emits 2-byte loads and no pipeline, several times slower on Hopper (tests/test_compiled_code.py
+    # guards the compiled form).
     k_len = min(K - k_start, K_PER_SPLIT)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
@@ -216,10 +218,8 @@ def _quantized_matmul_kernel(
     offs_xm = (offs_m % M).to(tl.int64)
     offs_qn = (offs_n % N).to(tl.int64)
     k_start = pid_k * K_PER_SPLIT
-    # The K-tail mask is written `offs_k < k_len - k` (a scalar bound, as in Triton's matmul
-    # tutorial): with K and K_PER_SPLIT multiples of 16 the compiler then knows the mask is
-    # constant over 16-element runs, so loads stay 16-byte vectors and the loop is pipelined with
-    # asynchronous copies. The form `k + offs_k < k_end` hides that and measured ~6x slower.
+    # The K-tail mask is `offs_k < k_len - k`, not `k + offs_k < k_end`, so that loads stay 16-byte
+    # vectors and the loop pipelined: see the comment in _matmul_kernel.
     k_len = min(K - k_start, K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 8:
@@ -299,10 +299,8 @@ def _rms_norm_linear_kernel(
     offs_bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
-    # The K-tail mask is written `offs_k < k_len - k` (a scalar bound, as in Triton's matmul
-    # tutorial): with K and K_PER_SPLIT multiples of 16 the compiler then knows the mask is
-    # constant over 16-element runs, so loads stay 16-byte vectors and the loop is pipelined with
-    # asynchronous copies. The form `k + offs_k < k_end` hides that and measured ~6x slower.
+    # The K-tail mask is `offs_k < k_len - k`, not `k + offs_k < k_end`, so that loads stay 16-byte
+    # vectors and the loop pipelined: see the comment in _matmul_kernel.
     k_len = min(K - k_start, K_PER_SPLIT)
     x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
