@@ -1,4 +1,5 @@
-"""The KV-cache references against independent float64 PyTorch math (SDPA, explicit scatter)."""
+"""The KV-cache references against independent PyTorch math (float64 SDPA, explicit scatter,
+the float8 e4m3 grid)."""
 
 import pytest
 import torch
@@ -98,3 +99,87 @@ def test_kvcache_reference_compute_dtype_is_honoured(seed):
     assert reference.decode_attention(q, k, k, lengths, compute_dtype=torch.float32).dtype == torch.float32
     table = torch.tensor([[0]])
     assert reference.paged_gather(k[0, None], table, lengths, compute_dtype=torch.float32).dtype == torch.float32
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, as float64 (from the 256 bit patterns)."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+    return vals[torch.isfinite(vals)].unique()
+
+
+def test_fp8_max_constant_is_the_largest_finite_e4m3():
+    assert reference.kvcache.FP8_E4M3_MAX == torch.finfo(torch.float8_e4m3fn).max == float(_e4m3_grid().max())
+
+
+def test_quantize_fp8_per_head_is_the_nearest_e4m3_value_saturated(seed):
+    x = randn(3, 5, 4, 16, seed=seed, scale=4.0)
+    x[0, 0, 0, :6] = torch.tensor([1e4, -1e4, 0.0, -0.0, 1e-9, -1e-9])  # saturation, zeros
+    scale = torch.tensor([0.01, 0.5, 0.003, 1.0])  # per head: head 0, 2 saturate often
+    got = reference.kvcache.quantize_fp8_per_head(x, scale)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape
+    got64 = got.double()
+    assert torch.isfinite(got64).all()
+    # The float32 quotient, clamped: each stored value is a nearest grid value to it.
+    limit = reference.kvcache.FP8_E4M3_MAX
+    target = (x / scale[:, None]).double().clamp(-limit, limit)
+    dist = (target[..., None] - _e4m3_grid()).abs().amin(dim=-1)
+    assert torch.equal((got64 - target).abs(), dist)
+    saturated = (x / scale[:, None]).abs() >= limit
+    assert saturated.any() and torch.equal(got64[saturated].abs(), torch.full_like(got64[saturated], limit))
+    # float16 / bfloat16 inputs go through the same float32 quotient
+    xh = x.to(torch.bfloat16)
+    assert torch.equal(reference.kvcache.quantize_fp8_per_head(xh, scale).view(torch.uint8),
+                       reference.kvcache.quantize_fp8_per_head(xh.float(), scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_append_reference_matches_a_token_by_token_scatter(seed, paged, fp8):
+    """kv_append against a per-token Python loop over explicit (block, slot) indices, with
+    seq_ids, ragged counts, non-zero starting lengths and a shuffled block table."""
+    rows, h, d, block_size, max_blocks = 4, 2, 8, 3, 4
+    lengths = torch.tensor([2, 0, 5, 7])
+    seq_ids = torch.tensor([3, 0, 2])
+    counts = torch.tensor([4, 5, 0])
+    k_new = randn(3, 5, h, d, seed=seed)
+    v_new = randn(3, 5, h, d, seed=seed + 1)
+    k_scale, v_scale = (torch.tensor([0.01, 0.2]), torch.tensor([0.05, 0.003])) if fp8 else (None, None)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    if paged:
+        num_blocks = rows * max_blocks + 1
+        block_table = torch.randperm(num_blocks, generator=make_generator(seed))[: rows * max_blocks]
+        block_table = block_table.view(rows, max_blocks).int()
+        shape = (num_blocks, block_size, h, d)
+    else:
+        block_table = None
+        shape = (rows, max_blocks * block_size, h, d)
+    k_cache = torch.full(shape, float("nan")).to(dtype)
+    v_cache = torch.full(shape, float("nan")).to(dtype)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    reference.kvcache.kv_append(k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts,
+                                block_table=block_table, k_scale=k_scale, v_scale=v_scale)
+    for b in range(3):
+        r = int(seq_ids[b])
+        for i in range(int(counts[b])):
+            t = int(lengths[r]) + i
+            at = (int(block_table[r, t // block_size]), t % block_size) if paged else (r, t)
+            for src, dst, s in ((k_new, k_exp, k_scale), (v_new, v_exp, v_scale)):
+                for hh in range(h):
+                    val = src[b, i, hh].float()
+                    if s is not None:  # divide, saturate, round: spelled out per element
+                        val = torch.clamp(val / s[hh], -fp8_max, fp8_max)
+                    dst[at][hh] = val.to(dtype)
+    assert torch.equal(k_cache.view(torch.uint8), k_exp.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_exp.view(torch.uint8))
+    assert lengths.tolist() == [2, 0, 5, 7]  # the caller owns the lengths
+
+
+def test_kv_append_defaults_write_every_token_of_row_b(seed):
+    k_new = randn(2, 3, 1, 4, dtype=torch.float64, seed=seed)
+    cache = torch.zeros(2, 6, 1, 4, dtype=torch.float64)
+    lengths = torch.tensor([1, 3])
+    reference.kvcache.kv_append(k_new, k_new, cache, cache.clone(), lengths)
+    assert torch.equal(cache[0, 1:4], k_new[0]) and torch.equal(cache[1, 3:6], k_new[1])
+    assert torch.equal(cache[0, [0, 4, 5]], torch.zeros(3, 1, 4, dtype=torch.float64))
+    assert torch.equal(cache[1, :3], torch.zeros(3, 1, 4, dtype=torch.float64))

@@ -75,17 +75,25 @@ def check_decode(out, q, cache, layer, rows=None, scale=None):
     scales = {}
     if cache.is_fp8:
         scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
-    ref = reference.decode_attention(q, k, v, lengths, scale=scale, **scales)
-    base = reference.decode_attention(q, k, v, lengths, scale=scale, compute_dtype=q.dtype, **scales)
+    return check_decode_dense(out, q, k, v, lengths, scale=scale, **scales)
+
+
+def check_decode_dense(out, q, k, v, lengths, *, scale=None, k_scale=None, v_scale=None, name="output"):
+    """Compare `out` with the reference and the same-precision baseline on dense (B, T, H, D)
+    keys and values (stored values; fp8 ones times k_scale / v_scale per head)."""
+    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale)
+    ref = reference.decode_attention(q, k, v, lengths, **kw)
+    base = reference.decode_attention(q, k, v, lengths, compute_dtype=q.dtype, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
-    return assert_close_to_reference(out, ref, base, factor=DECODE_FACTOR)
+    return assert_close_to_reference(out, ref, base, factor=DECODE_FACTOR, name=name)
 
 
 @pytest.fixture
 def kvh() -> SimpleNamespace:
     """The helpers above, as a fixture: test modules cannot import conftest under
     --import-mode=importlib (what nox uses)."""
-    return SimpleNamespace(make_cache=make_cache, fill=fill, dense_view=dense_view, check_decode=check_decode)
+    return SimpleNamespace(make_cache=make_cache, fill=fill, dense_view=dense_view, check_decode=check_decode,
+                           check_decode_dense=check_decode_dense)
 
 
 @pytest.fixture(params=["contiguous", "paged"])

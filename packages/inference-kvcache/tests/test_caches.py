@@ -53,7 +53,7 @@ def test_fp8_append_stores_the_bytes_torch_quantization_gives(kvh, kernel_device
     cache.set_scales(0, torch.tensor([0.01, 0.003, 0.5]), torch.tensor([0.02, 1.0, 0.004]))
     cache.append(0, k, v, num_new=[9, 4])
     for src, pool, s in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        expected = (src.float().cpu() / s[0].cpu()[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        expected = reference.kvcache.quantize_fp8_per_head(src.cpu(), s[0].cpu())
         if cache_kind == "paged":
             got = [pool[0, cache.block_table[r, t // cache.block_size].item(), t % cache.block_size]
                    for r, t in ((0, t) for t in range(9))]
@@ -71,7 +71,7 @@ def test_fp8_first_append_calibrates_per_head_scales(kernel_device, seed):
     k[:, :, 1] *= 100
     cache.append(0, k, k)
     amax = k.abs().amax(dim=(0, 1, 3)).cpu()
-    torch.testing.assert_close(cache.k_scale[0].cpu(), amax / 448)
+    torch.testing.assert_close(cache.k_scale[0].cpu(), amax / reference.kvcache.FP8_E4M3_MAX)
     restored = cache.k[0].float().cpu() * cache.k_scale[0].cpu()[:, None]
     # e4m3 has 3 mantissa bits: relative error <= 2^-4 of each value's binade.
     torch.testing.assert_close(restored, k.cpu(), rtol=2**-4, atol=amax.max().item() * 2**-9)
@@ -194,24 +194,35 @@ def test_kv_append_tensor_level_checks():
 
 
 def test_reference_backend_append_and_decode(kvh, monkeypatch, seed, cache_kind):
-    """CPU without the interpreter: torch indexing and the shared reference do the work."""
+    """CPU without the interpreter: the append and the decode run on torch indexing and the
+    shared reference (`reference.kvcache.kv_append`, `reference.decode_attention` in float32).
+
+    Checked against what does not go through that path: the cache contents (gathered by the
+    separately tested `paged_gather`) must equal the dense tokens that were appended (for fp8,
+    `quantize_fp8_per_head` of them, itself tested against the e4m3 grid in shared/tests), and
+    the decode output must match the float64 reference on those dense tokens, never read from
+    the cache. Catches tokens written to the wrong row, block, slot or position (ragged prefill
+    then one-token appends, paged blocks shuffled), the wrong scale or saturation, a decode
+    gathering the wrong blocks or rows, reading past a length (the unwritten slots are NaN),
+    or dropping the fp8 scales.
+    """
     monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "reference")
     from kernel_lab.inference_kvcache import decode_attention
 
     for dtype in (torch.float32, torch.float8_e4m3fn):
         cache = kvh.make_cache(cache_kind, batch=3, max_len=9, h_kv=2, d=8, dtype=dtype, device="cpu")
         lengths = [9, 0, 4]
-        k, _ = kvh.fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=3)
-        got_k, _ = kvh.dense_view(cache, 0, [0, 1, 2])
-        expected = k.double()
+        k, v = kvh.fill(cache, 0, lengths, dtype=torch.float32, seed=seed, prefill=3)
+        scales = {}
         if dtype == torch.float8_e4m3fn:
-            s = cache.k_scale[0]
-            expected = (k / s[:, None]).clamp(-448, 448).to(dtype).double()
+            scales = {"k_scale": cache.k_scale[0], "v_scale": cache.v_scale[0]}
+            k = reference.kvcache.quantize_fp8_per_head(k, scales["k_scale"])
+            v = reference.kvcache.quantize_fp8_per_head(v, scales["v_scale"])
+        got_k, got_v = kvh.dense_view(cache, 0, [0, 1, 2])
         for b, n in enumerate(lengths):
-            assert torch.equal(got_k[b, :n], expected[b, :n])
+            assert torch.equal(got_k[b, :n], k[b, :n].double()), f"{dtype} keys of sequence {b}"
+            assert torch.equal(got_v[b, :n], v[b, :n].double()), f"{dtype} values of sequence {b}"
         q = randn(3, 4, 8, seed=seed + 2)
         out = decode_attention(q, cache, 0)
-        scales = {"k_scale": cache.k_scale[0], "v_scale": cache.v_scale[0]} if cache.is_fp8 else {}
-        _, got_v = kvh.dense_view(cache, 0, [0, 1, 2])
-        ref = reference.decode_attention(q, got_k, got_v, torch.tensor(lengths), **scales)
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        kvh.check_decode_dense(out, q, k, v, torch.tensor(lengths), name=f"reference-backend decode {dtype}",
+                               **scales)

@@ -48,18 +48,27 @@ def _ref_update(p, g, state, group, step, compute_dtype=torch.float64):
 
 
 def _assert_matches_torch(ours, theirs, opt, topt, name):
-    """Ours vs torch.optim.AdamW (float32): the tolerance rule against the float64 reference
-    trajectory (kept in `ours_ref`) and 1e-6 relative to torch directly."""
+    """Ours vs torch.optim.AdamW, both float32: params and every moment torch keeps
+    (exp_avg, exp_avg_sq, max_exp_avg_sq) within 1e-6 * max(1, max|torch|), the issue's
+    "float32: 1e-6 relative" (docs/correctness.md), and the same step counts.
+
+    `testing.assert_close_to_reference` with torch's tensor in the reference's place and no
+    baseline: the budget is that atol alone, and NaN/Inf must sit where torch has them. The
+    float64 reference trajectory is checked by the tests that keep one.
+    """
+
+    def check(got, want, what):
+        want = want.detach()
+        testing.assert_close_to_reference(
+            got.detach(), want, atol=1e-6 * max(1.0, float(want.abs().max())), name=what
+        )
+
     for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
-        scale = max(1.0, float(q.detach().abs().max()))
-        diff = float((p.detach() - q.detach()).abs().max())
-        assert diff <= 1e-6 * scale, f"{name}[{i}]: max |ours - torch.optim.AdamW| = {diff:.3e}"
+        check(p, q, f"{name}[{i}] vs torch.optim.AdamW")
         if p in opt.state:
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if key in opt.state[p]:
-                    a, b = opt.state[p][key], topt.state[q][key]
-                    d = float((a - b).abs().max())
-                    assert d <= 1e-6 * max(1.0, float(b.abs().max())), f"{name}[{i}] {key}: {d:.3e}"
+                    check(opt.state[p][key], topt.state[q][key], f"{name}[{i}] {key} vs torch.optim.AdamW")
             assert float(opt.state[p]["step"]) == float(topt.state[q]["step"])
 
 

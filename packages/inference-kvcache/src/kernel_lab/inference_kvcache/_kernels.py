@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from kernel_lab.shared import runtime
+from kernel_lab.shared.reference.kvcache import FP8_E4M3_MAX
 
-# Largest finite float8 e4m3fn value: the append saturates to it instead of producing NaN.
-# A kernel may only read globals that are tl.constexpr, hence the second name.
-FP8_E4M3_MAX = 448.0
+# Largest finite float8 e4m3fn value (the shared reference's constant): the append saturates
+# to it instead of producing NaN. A kernel may only read globals that are tl.constexpr, hence
+# the second name.
 _FP8_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import FP8_DTYPE, FP8_E4M3_MAX, QUERY_DTYPES, DecodeCache, _check_query, decode_checked_cache, kv_append
+from kernel_lab.shared.reference.kvcache import FP8_E4M3_MAX
+
+from .ops import FP8_DTYPE, QUERY_DTYPES, DecodeCache, _check_query, decode_checked_cache, kv_append
 
 CACHE_DTYPES = (*QUERY_DTYPES, FP8_DTYPE)
 IndexLike = Sequence[int] | torch.Tensor | None

@@ -19,7 +19,7 @@ from torch.library import custom_op
 
 from kernel_lab.shared import reference, runtime
 
-from ._kernels import FP8_E4M3_MAX, _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
+from ._kernels import _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
 
 try:
     from triton import knobs as _knobs
@@ -159,28 +159,12 @@ def kv_append(
         kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
 
 
-def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale per head (last-but-one dim), saturated to the e4m3 range, as float8_e4m3fn."""
-    return (x.float() / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-
-
 def _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale):
     """The append with torch indexing (the "reference" backend: CPU without the interpreter)."""
-    bsz, t_new = k_new.shape[:2]
-    page = k_cache.shape[1]
-    for b in range(bsz):
-        row = int(seq_ids[b]) if seq_ids is not None else b
-        n = int(counts[b]) if counts is not None else t_new
-        pos = int(lengths[row]) + torch.arange(n)
-        if block_table is not None:
-            blocks = block_table[row].long()[pos // page]
-            slots = pos % page
-        else:
-            blocks = torch.full_like(pos, row)
-            slots = pos
-        for src, dst, s in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
-            x = src[b, :n]
-            dst[blocks, slots] = _quantize_fp8(x, s) if s is not None else x.to(dst.dtype)
+    reference.kvcache.kv_append(
+        k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts, block_table=block_table,
+        k_scale=k_scale, v_scale=v_scale,
+    )
 
 
 def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale) -> None:
@@ -528,8 +512,8 @@ class _DirectLaunch:
     """The compiled split (and merge) kernels of one decode fingerprint, launched directly.
 
     JITFunction.run binds and specializes its ~40 arguments, builds its cache key (str() of
-    the options) and reads the device, stream and knobs on every launch: about 20 us of CPU
-    per decode step on the host path (binder alone ~13 us for the split kernel). Within one
+    the options) and reads the device, stream and knobs on every launch: CPU work on the host
+    path of every decode step, the argument binder the largest part of it. Within one
     DecodeCache, everything the specialization depends on is fixed by the fingerprint of
     `_decode_launch` (plan: shapes, dtypes, constexprs, config; the cache's own tensors and
     strides; q's strides; the 16-byte alignment of every per-call pointer; current device;

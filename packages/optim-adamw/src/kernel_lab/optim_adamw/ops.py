@@ -49,9 +49,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # Elements per program, per loop iteration, warps: measured on an H200 (torch 2.11, triton 3.6)
 # over 100M and 1B float32 parameters in Qwen2.5 / Llama-3 tensor shapes, among chunks of 2K
 # to 64K elements, blocks of 1K to 4K and 4 or 8 warps. 4096 / 1024 / 4 was the fastest at
-# both sizes (94% of the copy bandwidth at 1B): four loop iterations hide the per-program
-# prologue (three dependent table loads and the float64 bias corrections) without making the
-# grid's last wave long; single-iteration programs (4096 / 4096) were 20% slower.
+# both sizes: four loop iterations hide the per-program prologue (three dependent table loads
+# and the float64 bias corrections) without making the grid's last wave long; single-iteration
+# programs (4096 / 4096) were slower, their prologue exposed.
 CHUNK = 4096
 BLOCK = 1024
 NUM_WARPS = 4

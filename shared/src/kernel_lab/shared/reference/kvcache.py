@@ -1,4 +1,5 @@
-"""References for inference with a KV cache: decode attention over a cache, paged gather.
+"""References for inference with a KV cache: decode attention over a cache, paged gather, the
+append (scatter of new tokens, with per-head float8 quantization).
 
 Layouts follow production engines:
 - contiguous cache: (B, T_max, H_kv, D) per layer; sequence b holds `lengths[b]` valid tokens
@@ -14,12 +15,21 @@ A query with no key to attend to (lengths[b] == 0, or lengths[b] < T_q) returns 
 convention of the kernels (softmax over an empty set has no value; zeros keep the residual
 stream finite).
 
-All math runs in `compute_dtype` (float64 by default) and the result stays in it.
+float8 caches (float8_e4m3fn) store x / scale per kv head, computed in float32, saturated to
++-FP8_E4M3_MAX and rounded to nearest even (`quantize_fp8_per_head`); reading multiplies by
+the scale again.
+
+decode_attention and paged_gather run in `compute_dtype` (float64 by default) and return it;
+kv_append writes into the caches it is given, in their dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Largest finite float8_e4m3fn value (torch.finfo(torch.float8_e4m3fn).max): the saturation
+# bound of a quantizing append, and the divisor of an amax calibration (scale = amax / it).
+FP8_E4M3_MAX = 448.0
 
 
 def _dequant(x: torch.Tensor, scale: torch.Tensor | None, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -101,3 +111,63 @@ def paged_gather(
         blocks = block_table[b].to(device=pool.device, dtype=torch.long)[t // block_size]
         out[b, :n] = pool[blocks, t % block_size].to(compute_dtype)
     return out
+
+
+def quantize_fp8_per_head(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """What a float8 cache stores for x: x / scale per head, saturated, rounded to nearest.
+
+    x: (..., H, D), any float dtype; scale: (H,) per-head scales. The division runs in float32
+    (as in the kernels), the quotient is clamped to +-FP8_E4M3_MAX (no NaN, no inf) and cast
+    to `dtype` (round to nearest even). Returns x's shape in `dtype`, on x's device.
+    """
+    s = scale.to(device=x.device, dtype=torch.float32)[:, None]
+    return (x.float() / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def cache_slots(
+    row: int, positions: torch.Tensor, block_table: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, second) index of token positions of cache row `row`: (row, t) in a contiguous
+    cache, (block_table[row, t // block_size], t % block_size) in a paged pool."""
+    positions = positions.long()
+    if block_table is None:
+        return torch.full_like(positions, row), positions
+    blocks = block_table[row].to(device=positions.device, dtype=torch.long)[positions // block_size]
+    return blocks, positions % block_size
+
+
+def kv_append(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    seq_ids: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new tokens into the caches in place, after each sequence's current tokens.
+
+    k_new, v_new: (B, T_new, H, D); k_cache, v_cache: contiguous (rows, T_max, H, D), or a paged
+    pool (num_blocks, block_size, H, D) with block_table (rows, max_blocks). Batch entry b goes
+    to cache row seq_ids[b] (default b); its first counts[b] tokens (default T_new) land at
+    positions lengths[row] + i (see `cache_slots`). With k_scale / v_scale (H,) the values are
+    stored as `quantize_fp8_per_head` gives them, else cast to the cache dtype. `lengths` is
+    not updated (the caller owns it). Unlike the other references this one mutates its
+    arguments: an append is a write.
+    """
+    bsz, t_new = k_new.shape[:2]
+    block_size = k_cache.shape[1]
+    for b in range(bsz):
+        row = int(seq_ids[b]) if seq_ids is not None else b
+        n = int(counts[b]) if counts is not None else t_new
+        pos = int(lengths[row]) + torch.arange(n, device=k_cache.device)
+        idx = cache_slots(row, pos, block_table, block_size)
+        for src, dst, s in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
+            x = src[b, :n]
+            dst[idx] = quantize_fp8_per_head(x, s, dst.dtype) if s is not None else x.to(dst.dtype)
