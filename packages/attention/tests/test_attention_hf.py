@@ -11,6 +11,7 @@ from kernel_lab.attention import flash_attention, modules, patch_hf, register_hf
 from kernel_lab.shared import testing
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+FWD_FACTOR = 2.0  # the attention forward's factor (docs/correctness.md)
 
 
 @pytest.mark.skipif(HAS_TRANSFORMERS, reason="transformers is installed")
@@ -21,14 +22,14 @@ def test_register_hf_without_transformers_raises_clear_import_error():
         patch_hf(torch.nn.Linear(2, 2))
 
 
-def _tiny_llama(device, attn_implementation):
+def _tiny_llama(device, attn_implementation, dtype=torch.float32):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
     model.config._attn_implementation = attn_implementation
     return model
 
@@ -46,26 +47,32 @@ def test_hf_llama_with_kernel_lab_attention_and_rope_matches_eager(kernel_device
     monkeypatch.setattr(modules, "flash_attention", counting)
     ids = torch.randint(0, 97, (2, 21), generator=testing.make_generator(seed)).to(kernel_device)
     eager = _tiny_llama(kernel_device, "eager")
+    eager64 = _tiny_llama(kernel_device, "eager", torch.float64)  # the same weights, in float64
     ours = _tiny_llama(kernel_device, "kernel_lab")
+    # A padded batch takes the explicit-mask path (row 1 is unpadded and compared).
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
     with torch.no_grad():
-        expected = eager(ids).logits
+        # Reference: the float64 eager model; baseline: the float32 eager model (stock HF),
+        # all computed before the module-wide RoPE patch below.
+        ref, expected = eager64(ids).logits, eager(ids).logits
+        ref_masked = eager64(ids, attention_mask=mask).logits[1]
+        expected_masked = eager(ids, attention_mask=mask).logits[1]
         got = ours(ids).logits
         assert calls == [True, True], "the kernel did not run in both layers"
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        testing.assert_close_to_reference(got, ref, expected, factor=FWD_FACTOR, name="hf logits")
         # The RoPE patch on top (module-wide; restored below so other tests see stock HF).
         module = __import__(type(ours.model.layers[0].self_attn).__module__, fromlist=["x"])
         original = module.apply_rotary_pos_emb
         try:
             patch_hf(ours)
             assert module.apply_rotary_pos_emb is not original
-            torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-4, atol=1e-4)
+            testing.assert_close_to_reference(ours(ids).logits, ref, expected, factor=FWD_FACTOR,
+                                              name="hf logits with rope patch")
         finally:
             module.apply_rotary_pos_emb = original
-        # A padded batch takes the explicit-mask path and still matches eager attention.
-        mask = torch.ones_like(ids)
-        mask[0, :5] = 0
-        torch.testing.assert_close(ours(ids, attention_mask=mask).logits[1],
-                                   eager(ids, attention_mask=mask).logits[1], rtol=1e-4, atol=1e-4)
+        testing.assert_close_to_reference(ours(ids, attention_mask=mask).logits[1], ref_masked, expected_masked,
+                                          factor=FWD_FACTOR, name="hf logits with padding mask")
 
 
 @pytest.mark.interpret

@@ -38,12 +38,18 @@ def check_rope(q, k, cos, sin, *, layout="bhsd", grad=True, seed=0, **kw):
     if grad:
         grads = torch.autograd.grad((qo, ko), leaves, dys)
     for i, (x, out) in enumerate(((q, qo), (k, ko))):
-        ref = reference.rope(to(x), cos, sin, **kw)
-        base, base_dx = _baseline(to(x), cos, sin, to(dys[i]), **kw)
-        testing.assert_close_to_reference(to(out), ref, base, factor=FWD_FACTOR, name="rope")
-        if grad:
-            ref_dx = reference.rope_backward(to(dys[i]), cos, sin, **kw)
-            testing.assert_close_to_reference(to(grads[i]), ref_dx, base_dx, factor=BWD_FACTOR, name="rope grad")
+        assert_rope_matches_reference(to(x), to(out), cos, sin, to(dys[i]), to(grads[i]) if grad else None, **kw)
+
+
+def assert_rope_matches_reference(x, out, cos, sin, dy=None, dx=None, **kw):
+    """out = rope(x) (and dx, the gradient for the output gradient dy) against the float64
+    reference, the budget set by the same formula in x's dtype. All (B, H, T, D) views."""
+    ref = reference.rope(x, cos, sin, **kw)
+    base, base_dx = _baseline(x, cos, sin, torch.zeros_like(x) if dy is None else dy, **kw)
+    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR, name="rope")
+    if dx is not None:
+        ref_dx = reference.rope_backward(dy, cos, sin, **kw)
+        testing.assert_close_to_reference(dx, ref_dx, base_dx, factor=BWD_FACTOR, name="rope grad")
 
 
 # --- reference tier --------------------------------------------------------------------------
@@ -115,9 +121,14 @@ def test_rope_inplace_overwrites_inputs(kernel_device, seed):
     cos, sin = _tables(1, 6, 16, interleaved=False, device=kernel_device, seed=seed)
     q = testing.randn(1, 4, 6, 32, dtype=torch.float16, device=kernel_device, seed=seed)
     k = testing.randn(1, 1, 6, 32, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    q0, k0 = q.clone(), k.clone()
     expected = apply_rope(q, k, cos, sin)
     qo, ko = apply_rope(q, k, cos, sin, inplace=True)
     assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr()
+    for x0, out in ((q0, qo), (k0, ko)):
+        assert_rope_matches_reference(x0, out, cos, sin)
+        assert torch.equal(out[..., 16:], x0[..., 16:]), "in-place RoPE changed a dim past rotary_dim"
+    # In place and out of place run the same kernel: the same bits.
     assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
 
 
@@ -145,7 +156,11 @@ def test_gpu_rope_compile_fullgraph(seed):
     eq, ek = apply_rope(q, k, cos, sin)
     torch.testing.assert_close(qo, eq, rtol=0, atol=0)
     torch.testing.assert_close(ko, ek, rtol=0, atol=0)
-    g = torch.autograd.grad((qo.float().sum() + ko.float().sum()), (q, k))
-    ge = torch.autograd.grad((eq.float().sum() + ek.float().sum()), (q, k))
+    dys = [testing.randn(*t.shape, dtype=t.dtype, device="cuda", seed=seed + 2 + i) for i, t in enumerate((q, k))]
+    g = torch.autograd.grad((qo, ko), (q, k), dys)
+    ge = torch.autograd.grad((eq, ek), (q, k), dys)
     for a, b in zip(g, ge, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Bitwise equal to eager, and both against the float64 reference (forward and backward).
+    for x, out, dy, dx in zip((q, k), (qo, ko), dys, g, strict=True):
+        assert_rope_matches_reference(x.detach(), out, cos, sin, dy, dx)

@@ -2,7 +2,7 @@
 
 Call path of `flash_attention(q, k, v, ...)`: check the inputs, then
 - in eager mode call the launchers directly (through `_FlashAttnFunction` when a gradient is
-  needed): a custom-op dispatch costs tens of microseconds, as long as a small attention;
+  needed): a custom-op dispatch adds CPU overhead comparable to a small attention itself;
 - under torch.compile call `torch.ops.kernel_lab.attention_fwd`, an opaque custom op with its
   backward registered by `register_autograd`, so the graph has no break.
 Fixed-length and packed (varlen) attention share the kernels: a packed batch is the same
