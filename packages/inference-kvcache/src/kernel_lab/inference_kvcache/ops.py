@@ -1,8 +1,8 @@
 """Decode attention over a KV cache and the cache append: checks, launchers, torch.library ops.
 
 Call path: `flash_decode(...)` (tensor-level) checks its inputs, then
-- in eager mode calls the launcher `flash_decode_fwd` directly (a custom op costs tens of
-  microseconds per call, as long as a whole decode step at small batch);
+- in eager mode calls the launcher `flash_decode_fwd` directly (a custom op's dispatch costs
+  about as much CPU time as a whole decode step at small batch takes on the GPU);
 - under torch.compile calls `torch.ops.kernel_lab.kvcache_decode`, a custom op with a fake
   implementation, so the graph has no break.
 `kv_append` (used by the caches in `modules`) follows the same pattern with the mutating op
@@ -477,8 +477,8 @@ _TUNED: dict[tuple, dict] = {}
 def _launch_tuned(kernel, key: tuple, grid, args, meta: dict):
     """Launch an autotuned kernel, bypassing `Autotuner.run` once it has chosen for `key`.
 
-    Autotuner.run rebuilds a dict of all ~40 arguments and its key on every call (tens of
-    microseconds of CPU per decode step, measured on the host path with the kernel stubbed);
+    Autotuner.run rebuilds a dict of all ~40 arguments and its key on every call (a large part
+    of a decode step's CPU time, measured on the host path with the kernel stubbed);
     past the first call for a key it only forwards to the JIT function with the chosen config,
     which is what the second branch does directly. The kernel, config and arguments are the
     same, so the results are bit-identical.
