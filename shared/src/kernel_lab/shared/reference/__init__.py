@@ -28,7 +28,7 @@ from .gemm import (
     rms_norm_linear,
     unpack_int4,
 )
-from .kvcache import decode_attention, paged_gather
+from .kvcache import FP8_E4M3_MAX, decode_attention, kv_append, paged_gather, quantize_fp8_per_head
 from .mlp import (
     bias_gelu,
     bias_gelu_backward,
@@ -62,6 +62,7 @@ from .optim_adamw import adamw_step
 from .softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 
 __all__ = [
+    "FP8_E4M3_MAX",
     "adamw_step",
     "apply_rope",
     "attention",
@@ -84,6 +85,7 @@ __all__ = [
     "gelu_and_mul",
     "gelu_and_mul_backward",
     "gelu_backward",
+    "kv_append",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_stats",
@@ -92,6 +94,7 @@ __all__ = [
     "matmul",
     "matmul_backward",
     "paged_gather",
+    "quantize_fp8_per_head",
     "quantized_matmul",
     "residual_rms_norm",
     "residual_rms_norm_backward",
