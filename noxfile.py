@@ -80,14 +80,26 @@ def _gpu_slug(session: nox.Session) -> str:
 @nox.session
 @nox.parametrize("package", ["shared", *PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
-    """Reference + interpret tiers of one package in a fresh venv that holds only it and shared."""
-    session.install(*CPU_TEST_DEPS)
-    session.install(*{_package_path("shared"), _package_path(package)})
-    test_dir = Path(_package_path(package)) / "tests"
-    session.run(
-        "python", "-m", "pytest", *PYTEST_FLAGS, str(test_dir), *session.posargs,
-        env={"TRITON_INTERPRET": "1"},
-    )
+    """Reference + interpret tiers of one package in a fresh venv that holds only it and shared.
+
+    Each venv holds its own torch + triton (about 1.5 GB). With KERNEL_LAB_DROP_VENVS=1 (set by
+    .ci/run) the venv is deleted when its session ends, so a run over every package needs the
+    disk of one venv, not of all of them.
+    """
+    try:
+        session.install(*CPU_TEST_DEPS)
+        session.install(*{_package_path("shared"), _package_path(package)})
+        test_dir = Path(_package_path(package)) / "tests"
+        session.run(
+            "python", "-m", "pytest", *PYTEST_FLAGS, str(test_dir), *session.posargs,
+            env={"TRITON_INTERPRET": "1"},
+        )
+    finally:
+        location = getattr(session.virtualenv, "location", None)
+        if os.environ.get("KERNEL_LAB_DROP_VENVS") == "1" and location and Path(location).is_dir():
+            import shutil
+
+            shutil.rmtree(location, ignore_errors=True)
 
 
 @nox.session(venv_params=["--system-site-packages"])
