@@ -354,6 +354,31 @@ def _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask,
 
 
 @triton.jit
+def _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(dw_acc + dy * xhat, db_acc + dy): one more tile of the dweight / dbias accumulators."""
+    if HAS_WEIGHT:
+        dw_acc += dy * xhat
+    if HAS_BIAS:
+        db_acc += dy
+    return dw_acc, db_acc
+
+
+@triton.jit
+def _layer_norm_store_partials(
+    dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Columns `cols` of row `pid` of the (n_programs, n_cols) float32 dweight / dbias partials:
+    the column sums of this program's [rows, BLOCK_N] accumulators."""
+    out = pid.to(tl.int64) * n_cols + cols
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
     dx_ptr, dw_partial_ptr, db_partial_ptr,  # partials: (n_programs, n_cols) float32
@@ -380,15 +405,9 @@ def _layer_norm_bwd_kernel(
         dot_g = tl.sum(g, axis=1) / n_cols
         dot_gx = tl.sum(g * xhat, axis=1) / n_cols
         _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
-        if HAS_WEIGHT:
-            dw_acc += dy * xhat
-        if HAS_BIAS:
-            db_acc += dy
-    out = pid.to(tl.int64) * n_cols + cols
-    if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
-    if HAS_BIAS:
-        tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+        dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT, HAS_BIAS)
+    _layer_norm_store_partials(dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
+                               HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -436,12 +455,6 @@ def _layer_norm_bwd_wide_kernel(
             dot_g = tl.load(dot_ptr + 2 * rows)
             dot_gx = tl.load(dot_ptr + 2 * rows + 1)
             _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
-            if HAS_WEIGHT:
-                dw_acc += dy * xhat
-            if HAS_BIAS:
-                db_acc += dy
-        out = pid.to(tl.int64) * n_cols + cols
-        if HAS_WEIGHT:
-            tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
-        if HAS_BIAS:
-            tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+            dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT, HAS_BIAS)
+        _layer_norm_store_partials(dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
+                                   HAS_WEIGHT, HAS_BIAS)

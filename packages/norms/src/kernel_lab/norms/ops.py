@@ -61,12 +61,6 @@ WIDE_PROGRAMS_PER_SM = 2
 INTERPRET_SM_COUNT = 4
 
 
-def _looped_grid(n_rows: int, device: torch.device) -> int:
-    if LOOP_PROGRAMS_PER_SM <= 0:
-        return n_rows
-    return min(n_rows, _sm_count(device) * LOOP_PROGRAMS_PER_SM)
-
-
 def _sm_count(device: torch.device) -> int:
     return runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
 
@@ -89,6 +83,28 @@ def _tile(n_rows: int, n_cols: int, max_fused_cols: int, backward: bool = False)
     # about 16 elements per thread, 4 to 32 warps
     num_warps = min(32, max(4, block_m * block_n // 512))
     return _Tile(True, block_m, block_n, num_warps)
+
+
+def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
+    """Grid of a forward kernel: one program per BLOCK_M rows (one tile), or programs striding
+    over the rows, at most LOOP_PROGRAMS_PER_SM per SM (0: one program per row)."""
+    if t.one_tile:
+        return (runtime.cdiv(n_rows, t.block_m),)
+    if LOOP_PROGRAMS_PER_SM <= 0:
+        return (n_rows,)
+    return (min(n_rows, _sm_count(device) * LOOP_PROGRAMS_PER_SM),)
+
+
+def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int]:
+    """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid, at most
+    BWD_WARPS_PER_SM warps per SM, striding over BLOCK_M-row blocks (rows_per_program is 0,
+    unused). Wide: WIDE_PROGRAMS_PER_SM programs per SM, each owning rows_per_program
+    contiguous rows (the last program fewer)."""
+    sms = _sm_count(device)
+    if t.one_tile:
+        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
+    rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+    return runtime.cdiv(n_rows, rows_per_program), rows_per_program
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -144,8 +160,7 @@ def rms_norm_fwd(
     z2 = x2 if gate is None else _as_rows(gate)
     u2 = y2 if u is None else u.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    grid = (runtime.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
-    runtime.launchable(_rms_norm_fwd_kernel, via_op)[grid](
+    runtime.launchable(_rms_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
         x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
         n_rows, n_cols, eps, offset,
         x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
@@ -196,19 +211,15 @@ def rms_norm_bwd(
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
     strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
     t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
-    sms = _sm_count(xn.device)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device)
+    partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
     if t.one_tile:
-        n_programs = min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
-        partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
             n_rows, n_cols, offset, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
-        rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
-        n_programs = runtime.cdiv(n_rows, rows_per_program)
-        partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
         runtime.launchable(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial, dot,
@@ -237,8 +248,7 @@ def layer_norm_fwd(
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    grid = (runtime.cdiv(n_rows, t.block_m) if t.one_tile else _looped_grid(n_rows, x.device),)
-    runtime.launchable(_layer_norm_fwd_kernel, via_op)[grid](
+    runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -276,12 +286,7 @@ def layer_norm_bwd(
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
     t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
-    sms = _sm_count(x.device)
-    if t.one_tile:
-        n_programs = min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps))
-    else:
-        rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
-        n_programs = runtime.cdiv(n_rows, rows_per_program)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:
