@@ -87,6 +87,8 @@ def test_device_facts_and_measured_peaks_are_plausible():
     assert 1e11 < bw < 2e13, bw
     assert runtime.measured_matmul_flops() > 1e13
     assert runtime.backend(torch.zeros(1, device="cuda")) == "triton"
+    if not runtime.interpret_mode():
+        assert runtime.sm_count(torch.device("cuda")) == info.sm_count
 
 
 def test_host_cdiv_and_next_power_of_2_match_triton():
@@ -95,3 +97,38 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
         assert runtime.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in [1, 2, 3, 64, 8192]:
             assert runtime.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_sm_count_off_cuda_is_the_interpreter_stand_in():
+    assert runtime.sm_count(torch.device("cpu")) == runtime.INTERPRET_SM_COUNT > 1
+
+
+@pytest.mark.parametrize(
+    "n_rows, n_cols, tile, cap, expected",
+    [
+        (1000, 100, 4096, None, (32, 128, 8)),  # short rows batched up to the tile
+        (3, 100, 4096, None, (4, 128, 4)),  # no more rows than there are (next power of two)
+        (1000, 5000, 4096, None, (1, 8192, 16)),  # a row longer than the tile: one per program
+        (1000, 5000, 4096, 1024, (4, 1024, 8)),  # capped columns: the kernel loops over the row
+        (1, 1, 2048, None, (1, 1, 4)),  # at least 4 warps
+        (1 << 20, 16384, 16384, None, (1, 16384, 32)),  # at most 32 warps
+    ],
+)
+def test_row_tile(n_rows, n_cols, tile, cap, expected):
+    assert runtime.row_tile(n_rows, n_cols, tile, cap) == expected
+
+
+def test_rows_view_is_a_view_when_the_layout_allows_and_a_copy_otherwise():
+    padded = torch.randn(6, 10)[:, :7]  # rows of 7 with row stride 10
+    rows = runtime.rows_view(padded.view(2, 3, 7))
+    assert rows.shape == (6, 7) and rows.data_ptr() == padded.data_ptr() and rows.stride() == (10, 1)
+    packed = torch.randn(2, 3, 8)
+    half = runtime.rows_view(packed[..., 4:])  # the second half of a packed (..., 2 * d) tensor
+    assert half.shape == (6, 4) and half.data_ptr() == packed[..., 4:].data_ptr()
+    transposed = torch.randn(7, 6).t()  # column stride 6: copied to unit stride
+    rows = runtime.rows_view(transposed)
+    assert rows.stride(-1) == 1 and torch.equal(rows, transposed)
+    assert runtime.rows_view(torch.randn(3, 0)).shape == (3, 0)  # zero columns: no -1 ambiguity
+    assert runtime.rows_view(torch.randn(0, 5)).shape == (0, 5)
+    one_col = torch.randn(4, 3)[:, :1]
+    assert runtime.rows_view(one_col).data_ptr() == one_col.data_ptr()  # a lone column needs no unit stride

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import platform
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ __all__ = [
     "launchable",
     "measured_copy_bandwidth",
     "measured_matmul_flops",
+    "row_tile",
+    "rows_view",
+    "sm_count",
     "triton_available",
     "uses_triton",
     "versions",
@@ -118,6 +122,45 @@ def launchable(kernel, traced: bool):
     longer than the kernel itself for most LLM shapes.
     """
     return wrap_triton(kernel) if traced else kernel
+
+
+def row_tile(n_rows: int, n_cols: int, tile_elements: int, max_block_n: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a row-wise kernel that holds a tile of rows in registers.
+
+    BLOCK_N covers the whole row (power of two, at most `max_block_n`); short rows are batched
+    BLOCK_M at a time, up to about `tile_elements` per program, so that each program still moves
+    enough bytes to hide its reduction latency; about 16 elements per thread, 4 to 32 warps.
+    """
+    block_n = next_power_of_2(n_cols)
+    if max_block_n is not None:
+        block_n = min(block_n, max_block_n)
+    block_m = max(1, min(tile_elements // block_n, next_power_of_2(n_rows)))
+    num_warps = min(32, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a (rows, t.shape[-1]) matrix with unit column stride, what row-wise kernels index.
+
+    A view whenever the layout allows one (padded rows, one half of a packed tensor, a slice of a
+    wider buffer), a copy otherwise. A row of one column needs no unit stride.
+    """
+    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: rows of 0 columns are allowed
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+# The interpreter has no SMs: launch plans that size grids by the SM count use this stand-in,
+# small enough to stay quick on the CPU but above one so that multi-program paths (split rows,
+# persistent grids, partial sums) are still exercised.
+INTERPRET_SM_COUNT = 4
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors that a launch on `device` can fill: the CUDA device's own count
+    (cached by `device_info`), INTERPRET_SM_COUNT for the CPU / the interpreter."""
+    if device.type == "cuda" and not interpret_mode():
+        return device_info(device.index).sm_count
+    return INTERPRET_SM_COUNT
 
 
 @dataclass(frozen=True)

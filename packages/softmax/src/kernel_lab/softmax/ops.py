@@ -11,7 +11,6 @@ Both paths run the same launchers, `softmax_fwd` and `softmax_bwd`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +62,6 @@ SPLIT_BLOCK_N = 4096
 SPLIT_NUM_WARPS = 8
 # Programs per SM that the split path aims for when there are too few rows to fill the GPU.
 SPLIT_PROGRAMS_PER_SM = 4
-# The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
-INTERPRET_SM_COUNT = 4
 
 
 @dataclass(frozen=True)
@@ -84,13 +81,10 @@ def _plan(
     coop_chunk: int, coop_num_warps: int,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
-        block_n = runtime.next_power_of_2(n_cols)
-        block_m = max(1, min(ROWS_TILE // block_n, runtime.next_power_of_2(n_rows)))
-        # about 16 elements per thread, 4 to 32 warps
-        num_warps = min(32, max(4, block_m * block_n // 512))
+        block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, ROWS_TILE)
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
-    sm_count = runtime.device_info(device.index).sm_count if on_gpu else INTERPRET_SM_COUNT
+    sm_count = runtime.sm_count(device)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= sm_count:  # more chunks than SMs could wait forever (see _kernels.py)
         return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
@@ -111,8 +105,7 @@ def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.reshape(1, 1)
     if dim != t.ndim - 1:  # (movedim costs microseconds of host time: skip it when it is a no-op)
         t = t.movedim(dim, -1)
-    rows = t.reshape(-1, t.shape[-1]) if t.numel() else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return runtime.rows_view(t)
 
 
 def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
