@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lab.shared import reference
+from kernel_lab.shared.reference.attention import check_cu_seqlens
 from kernel_lab.shared.testing import randn
 
 
@@ -113,6 +114,22 @@ def test_attention_varlen_reference_rejects_bad_cu_seqlens():
     q = torch.zeros(5, 1, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         reference.attention_varlen(q, q, q, torch.tensor([0, 3, 2, 5]), torch.tensor([0, 2, 3, 5]))
+
+
+@pytest.mark.parametrize("offsets", [[1, 3, 5], [0, 3, 2, 5], [0, 3, 4], [0, 3, 6]])
+def test_check_cu_seqlens_rejects_offsets_not_from_0_to_total_non_decreasing(offsets):
+    with pytest.raises(ValueError, match="cu must start at 0, be non-decreasing and end at 5"):
+        check_cu_seqlens(torch.tensor(offsets, dtype=torch.int32), 5, "cu")
+
+
+def test_check_cu_seqlens_returns_the_offsets_empty_sequences_allowed():
+    assert check_cu_seqlens(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5, "cu") == [0, 3, 3, 5]
+
+
+def test_attention_varlen_backward_reference_rejects_batch_mismatch():
+    q = torch.zeros(5, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cu_seqlens_q has 3 entries but cu_seqlens_k has 2"):
+        reference.attention_varlen_backward(q, q, q, q, torch.tensor([0, 2, 5]), torch.tensor([0, 5]))
 
 
 def _rope_complex(x, theta, interleaved):

@@ -21,6 +21,7 @@ import triton
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
+from kernel_lab.shared.reference.attention import check_cu_seqlens
 
 from ._kernels import (
     _attn_bwd_dkdv_kernel,
@@ -159,7 +160,8 @@ def attention_fwd(
     lse_shape = (n_heads, q.shape[0]) if varlen else (batch, n_heads, seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if runtime.backend(q) == "reference":
-        return _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout, out, lse)
+        ref_out, ref_lse = _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout)
+        return out.copy_(ref_out), lse.copy_(ref_lse)
     rows_q = max_seqlen_q if varlen else seqlen_q
     if out.numel() == 0 or rows_q == 0:
         return out, lse
@@ -251,19 +253,16 @@ def _to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(1, 2) if layout == "bshd" else t
 
 
-def _reference_fwd(q, k, v, cu_q, cu_k, scale, left, right, layout, out, lse):
-    """The CPU fallback: the shared reference in float32, written into `out` / `lse`."""
-    window = _ref_window(left, right)
+def _reference_fwd(q, k, v, cu_q, cu_k, scale, left, right, layout):
+    """The float32 fallback (no Triton backend, or backend="reference"): the shared reference
+    in float32. Returns (out, lse), both float32: out in q's shape (with "bshd" a transposed
+    view, not contiguous), lse (B, Hq, Tq) or, varlen, (Hq, total_q). Plain torch ops, so
+    autograd can differentiate it."""
+    kw = dict(scale=scale, window=_ref_window(left, right), return_lse=True, compute_dtype=torch.float32)
     if layout == "varlen":
-        o, l_ = reference.attention_varlen(q, k, v, cu_q, cu_k, scale=scale, window=window, return_lse=True,
-                                           compute_dtype=torch.float32)
-        out.copy_(o)
-    else:
-        o, l_ = reference.attention(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), scale=scale,
-                                    window=window, return_lse=True, compute_dtype=torch.float32)
-        out.copy_(_to_bhsd(o, layout))
-    lse.copy_(l_)
-    return out, lse
+        return reference.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+    out, lse = reference.attention(*(_to_bhsd(t, layout) for t in (q, k, v)), **kw)
+    return _to_bhsd(out, layout), lse
 
 
 def _reference_bwd(do, q, k, v, dlse, cu_q, cu_k, scale, left, right, layout):
@@ -491,24 +490,28 @@ def flash_attention(
     if bq != bk:
         raise ValueError(f"{name}: q and k must have the same batch size, got {bq} and {bk}")
     _check_heads(hq, hkv, name)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    left, right = _window_bounds(causal, window)
-    if backend == "reference":
-        out, lse = _reference_fwd_autograd(q, k, v, scale, left, right, layout)
-    elif torch.compiler.is_compiling():
-        out, lse = torch.ops.kernel_lab.attention_fwd(q, k, v, scale, left, right, layout)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnFunction.apply(q, k, v, None, None, 0, 0, scale, left, right, layout)
-    else:
-        out, lse = attention_fwd(q, k, v, None, None, 0, 0, scale, left, right, layout)
+    out, lse = _forward(q, k, v, None, None, 0, 0, causal, scale, window, layout, backend)
     return (out, lse) if return_lse else out
 
 
-def _reference_fwd_autograd(q, k, v, scale, left, right, layout):
-    """backend="reference": the float32 reference, differentiable by autograd."""
-    o, lse = reference.attention(*(_to_bhsd(t, layout) for t in (q, k, v)), scale=scale,
-                                 window=_ref_window(left, right), return_lse=True, compute_dtype=torch.float32)
-    return _to_bhsd(o, layout).to(q.dtype), lse
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, layout, backend):
+    """The forward of checked inputs (scale None: 1/sqrt(D)) on the path that fits: the float32
+    reference (backend="reference", differentiable by autograd), the custom op under
+    torch.compile, else the launcher (through `_FlashAttnFunction` when a gradient is needed).
+    cu_q/cu_k/max_q/max_k are used only with layout="varlen". Returns (out in q's dtype, lse)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    left, right = _window_bounds(causal, window)
+    if backend == "reference":
+        out, lse = _reference_fwd(q, k, v, cu_q, cu_k, scale, left, right, layout)
+        return out.to(q.dtype), lse
+    if torch.compiler.is_compiling():
+        if layout == "varlen":
+            return torch.ops.kernel_lab.attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right)
+        return torch.ops.kernel_lab.attention_fwd(q, k, v, scale, left, right, layout)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right, layout)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttnFunction.apply(*args)
+    return attention_fwd(*args)
 
 
 def _check_cu_seqlens(cu: torch.Tensor, arg: str, total: int, max_seqlen: int, q: torch.Tensor, name: str):
@@ -524,10 +527,8 @@ def _check_cu_seqlens(cu: torch.Tensor, arg: str, total: int, max_seqlen: int, q
         raise TypeError(f"{name}: max_seqlen for {arg} must be a non-negative int, got {max_seqlen!r}")
     if torch.compiler.is_compiling():
         return  # the data checks below read the tensor (a device sync); eager mode only
-    vals = cu.tolist()
+    vals = check_cu_seqlens(cu, total, f"{name}: {arg}")
     lengths = [b - a for a, b in itertools.pairwise(vals)]
-    if vals[0] != 0 or vals[-1] != total or min(lengths) < 0:
-        raise ValueError(f"{name}: {arg} must start at 0, be non-decreasing and end at {total}; got {vals}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{name}: max_seqlen {max_seqlen} for {arg} is below the longest sequence {max(lengths)}")
 
@@ -566,20 +567,8 @@ def flash_attention_varlen(
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    left, right = _window_bounds(causal, window)
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right)
-    if backend == "reference":
-        out, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale,
-                                              window=_ref_window(left, right), return_lse=True,
-                                              compute_dtype=torch.float32)
-        out = out.to(q.dtype)
-    elif torch.compiler.is_compiling():
-        out, lse = torch.ops.kernel_lab.attention_varlen_fwd(q, k, v, *args)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnFunction.apply(q, k, v, *args, "varlen")
-    else:
-        out, lse = attention_fwd(q, k, v, *args, "varlen")
+    out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                        "varlen", backend)
     return (out, lse) if return_lse else out
 
 

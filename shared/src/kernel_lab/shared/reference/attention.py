@@ -52,6 +52,31 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(hq // hkv, dim=-3) if hq != hkv else t
 
 
+def _prepare_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """q (B, Hq, Tq, D) and k/v expanded to (B, Hq, Tk, D), all in compute_dtype, and the
+    scale (1/sqrt(D) when None)."""
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return q, _expand_kv(q, k), _expand_kv(q, v), scale
+
+
+def _softmax_probs(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, window: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """P = softmax(scale * q k^T + mask) (B, Hq, Tq, Tk) and its rows' logsumexp (B, Hq, Tq),
+    for q (B, Hq, Tq, D) and k already expanded to Hq heads. A row without keys gets P = 0 and
+    lse = -inf."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # exp(s - lse) on a row with lse = -inf would be NaN; such a row has no key, so p = 0.
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(s - safe_lse.unsqueeze(-1)), lse
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,16 +94,8 @@ def attention(
     Returns out (B, Hq, Tq, D), and with `return_lse` also lse (B, Hq, Tq), the natural-log
     logsumexp of each row of scaled scores (-inf for a row that sees no key).
     """
-    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = _expand_kv(q, k), _expand_kv(q, v)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    allowed = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    # exp(s - lse) on a row with lse = -inf would be NaN; such a row has no key, so p = 0.
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - safe_lse.unsqueeze(-1))
+    q, k, v, scale = _prepare_qkv(q, k, v, scale, compute_dtype)
+    p, lse = _softmax_probs(q, k, scale, causal, window)
     out = torch.matmul(p, v)
     return (out, lse) if return_lse else out
 
@@ -102,9 +119,7 @@ def attention_blocked(
     acc' = acc * exp(m - m') + exp(s - m') v; finally out = acc / l, lse = m + log(l).
     Only a (Tq, block_n) slice of scores exists at a time.
     """
-    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = _expand_kv(q, k), _expand_kv(q, v)
+    q, k, v, scale = _prepare_qkv(q, k, v, scale, compute_dtype)
     tq, tk = q.shape[-2], k.shape[-2]
     m = torch.full(q.shape[:-1], float("-inf"), dtype=compute_dtype, device=q.device)
     l_sum = torch.zeros_like(m)
@@ -148,15 +163,10 @@ def attention_backward(
 
     With GQA, dk/dv are summed over the query heads that share a kv head.
     """
-    q, k, v, do = (t.to(compute_dtype) for t in (q, k, v, grad_out))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     hq, hkv = q.shape[-3], k.shape[-3]
-    ke, ve = _expand_kv(q, k), _expand_kv(q, v)
-    s = torch.matmul(q, ke.transpose(-1, -2)) * scale
-    allowed = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+    q, ke, ve, scale = _prepare_qkv(q, k, v, scale, compute_dtype)
+    do = grad_out.to(compute_dtype)
+    p, _ = _softmax_probs(q, ke, scale, causal, window)
     out = torch.matmul(p, ve)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, ve.transpose(-1, -2))
@@ -172,11 +182,38 @@ def attention_backward(
     return dq, dk, dv
 
 
-def _check_cu_seqlens(cu: torch.Tensor, total: int, name: str) -> list[int]:
+def check_cu_seqlens(cu: torch.Tensor, total: int, name: str) -> list[int]:
+    """The offsets of a cu_seqlens tensor (batch + 1,) as a list, after checking that they start
+    at 0, never decrease (empty sequences are allowed) and end at `total` (the packed rows).
+
+    Raises ValueError naming the tensor as `name`. Reads the tensor on the host (a device sync).
+    """
     vals = [int(x) for x in cu.tolist()]
     if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in itertools.pairwise(vals)):
         raise ValueError(f"{name} must start at 0, be non-decreasing and end at {total}; got {vals}")
     return vals
+
+
+def _packed_sequences(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of each sequence of a packed batch, q (total_q, ...) and k
+    (total_k, ...), after checking both cu_seqlens."""
+    cq = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    ck = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries but cu_seqlens_k has {len(ck)}")
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _heads_first(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows `rows` of a packed (total, H, D) tensor as a batch of one sequence, (1, H, T, D)."""
+    return t[rows].transpose(0, 1).unsqueeze(0)
+
+
+def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_heads_first`: (1, H, T, D) -> (T, H, D)."""
+    return t[0].transpose(0, 1)
 
 
 def attention_varlen(
@@ -198,22 +235,16 @@ def attention_varlen(
     q: (total_q, Hq, D), k/v: (total_k, Hkv, D). Returns out (total_q, Hq, D) and with
     `return_lse` also lse (Hq, total_q) (the FlashAttention varlen layout).
     """
-    cq = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    ck = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q has {len(cq)} entries but cu_seqlens_k has {len(ck)}")
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=compute_dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
-    for b in range(len(cq) - 1):
-        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        if cq[b + 1] == cq[b]:
+    for qs, ks in _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        if qs.start == qs.stop:
             continue
         o_b, lse_b = attention(
-            q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
-            v[ks].transpose(0, 1).unsqueeze(0), causal=causal, scale=scale, window=window,
-            return_lse=True, compute_dtype=compute_dtype,
+            _heads_first(q, qs), _heads_first(k, ks), _heads_first(v, ks), causal=causal, scale=scale,
+            window=window, return_lse=True, compute_dtype=compute_dtype,
         )
-        out[qs] = o_b[0].transpose(0, 1)
+        out[qs] = _tokens_first(o_b)
         lse[:, qs] = lse_b[0]
     return (out, lse) if return_lse else out
 
@@ -234,25 +265,18 @@ def attention_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `attention_varlen`, sequence by sequence with `attention_backward`.
     grad_lse, if given, is (Hq, total_q) like the forward's lse."""
-    cq = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    ck = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=compute_dtype, device=v.device)
-    for b in range(len(cq) - 1):
-        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        if cq[b + 1] == cq[b] or ck[b + 1] == ck[b]:
+    for qs, ks in _packed_sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        if qs.start == qs.stop or ks.start == ks.stop:
             continue  # no query, or no key: every gradient of this sequence is 0
-
-        def heads_first(t, rows):
-            return t[rows].transpose(0, 1).unsqueeze(0)
-
         g = attention_backward(
-            heads_first(q, qs), heads_first(k, ks), heads_first(v, ks), heads_first(grad_out, qs),
+            _heads_first(q, qs), _heads_first(k, ks), _heads_first(v, ks), _heads_first(grad_out, qs),
             causal=causal, scale=scale, window=window,
             grad_lse=None if grad_lse is None else grad_lse[:, qs].unsqueeze(0), compute_dtype=compute_dtype,
         )
-        dq[qs], dk[ks], dv[ks] = (t[0].transpose(0, 1) for t in g)
+        dq[qs], dk[ks], dv[ks] = (_tokens_first(t) for t in g)
     return dq, dk, dv
 
 
@@ -264,6 +288,20 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
         return torch.stack((-x_odd, x_even), dim=-1).flatten(-2)
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, rotary_dim: int | None,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cos, sin, R) for `rope`/`rope_backward`: the per-position rows (gathered by
+    position_ids when given), cut to the first R dims (R = rotary_dim, or cos's last dim) and
+    shaped (T, R) -> (1, T, R) or (B, T, R) -> (B, 1, T, R) to broadcast over heads."""
+    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    r = cos.shape[-1] if rotary_dim is None else rotary_dim
+    return cos[..., :r].unsqueeze(-3), sin[..., :r].unsqueeze(-3), r
 
 
 def rope(
@@ -284,11 +322,7 @@ def rope(
     dim. `interleaved` selects the GPT-J pairwise rotation instead of rotate_half.
     """
     x = x.to(compute_dtype)
-    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
-    if position_ids is not None:
-        cos, sin = cos[position_ids], sin[position_ids]
-    r = cos.shape[-1] if rotary_dim is None else rotary_dim
-    cos, sin = cos[..., :r].unsqueeze(-3), sin[..., :r].unsqueeze(-3)  # broadcast over heads
+    cos, sin, r = _rope_tables(cos, sin, position_ids, rotary_dim, compute_dtype)
     x_rot, x_pass = x[..., :r], x[..., r:]
     return torch.cat((x_rot * cos + _rotate(x_rot, interleaved) * sin, x_pass), dim=-1)
 
@@ -323,10 +357,6 @@ def rope_backward(
     """dx of `rope` for the output gradient dy: the rotation is antisymmetric (R^T = -R), so
     dx = dy * cos - rotate(dy * sin) on the first R dims, dy elsewhere."""
     dy = grad.to(compute_dtype)
-    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
-    if position_ids is not None:
-        cos, sin = cos[position_ids], sin[position_ids]
-    r = cos.shape[-1] if rotary_dim is None else rotary_dim
-    cos, sin = cos[..., :r].unsqueeze(-3), sin[..., :r].unsqueeze(-3)
+    cos, sin, r = _rope_tables(cos, sin, position_ids, rotary_dim, compute_dtype)
     dy_rot, dy_pass = dy[..., :r], dy[..., r:]
     return torch.cat((dy_rot * cos - _rotate(dy_rot * sin, interleaved), dy_pass), dim=-1)
