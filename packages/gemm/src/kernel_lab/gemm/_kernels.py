@@ -93,6 +93,43 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
+@triton.jit
+def _split_k_tile(M, N, K, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile and K range on a (tiles, splits) grid: (pid_n, pid_k, offs_m,
+    offs_n, offs_wm, offs_wn, k_start, k_len).
+
+    offs_m (BLOCK_M,) / offs_n (BLOCK_N,): the tile's rows / columns, for the masked store.
+    offs_wm / offs_wn: the same wrapped into [0, M) / [0, N), 64-bit: rows and columns past the
+    edge re-read valid ones, so the loads need no M / N mask and the inner loop keeps a single
+    mask, the K tail. k_start, k_len: the split's first K column and its length.
+
+    k_len is a scalar bound so that the callers write the K-tail mask `offs_k < k_len - k` (as
+    in Triton's matmul tutorial): with K and K_PER_SPLIT multiples of 16 the compiler then knows
+    the mask is constant over 16-element runs, so loads stay 16-byte vectors and the loop is
+    pipelined with asynchronous copies. The form `k + offs_k < k_end` hides that constancy: the
+    compiler then emits 2-byte loads and no pipeline, several times slower on Hopper
+    (tests/test_compiled_code.py guards the compiled form).
+    """
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_wm = (offs_m % M).to(tl.int64)
+    offs_wn = (offs_n % N).to(tl.int64)
+    k_start = pid_k * K_PER_SPLIT
+    k_len = min(K - k_start, K_PER_SPLIT)
+    return pid_n, pid_k, offs_m, offs_n, offs_wm, offs_wn, k_start, k_len
+
+
+@triton.jit
+def _store_partial(acc, ws_ptr, pid_k, offs_m, offs_n, M, N, stride_ws, stride_wm):
+    """Split-K: store the raw float32 (BLOCK_M, BLOCK_N) tile acc into split pid_k of the
+    (splits, M, N) workspace (unit column stride); the reduce kernel applies the epilogue."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    w_ptrs = ws_ptr + pid_k.to(tl.int64) * stride_ws + offs_m.to(tl.int64)[:, None] * stride_wm + offs_n[None, :]
+    tl.store(w_ptrs, acc, mask=mask)
+
+
 # do_not_specialize: M changes from call to call (every batch size); Triton would otherwise
 # compile a variant for M == 1 and for M % 16 == 0, for no speed gain (M only wraps row indices
 # and masks the store). K_PER_SPLIT stays specialised: its divisibility by 16 is what keeps the
@@ -115,28 +152,15 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = act((a @ b) * scale_a * scale_b + bias) for float16 / bfloat16 / float8 a and b."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows / columns past the edge wrap around to valid ones: the loads need no M / N mask (the
-    # store is masked), which keeps the inner loop to one mask, the K tail.
-    offs_am = (offs_m % M).to(tl.int64)
-    offs_bn = (offs_n % N).to(tl.int64)
+    _, pid_k, offs_m, offs_n, offs_am, offs_bn, k_start, k_len = _split_k_tile(
+        M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
+    )
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
-    # The K-tail mask is written `offs_k < k_len - k` (a scalar bound, as in Triton's matmul
-    # tutorial): with K and K_PER_SPLIT multiples of 16 the compiler then knows the mask is
-    # constant over 16-element runs, so loads stay 16-byte vectors and the loop is pipelined with
-    # asynchronous copies. The form `k + offs_k < k_end` hides that constancy: the compiler then
-    # emits 2-byte loads and no pipeline, several times slower on Hopper (tests/test_compiled_code.py
-    # guards the compiled form).
-    k_len = min(K - k_start, K_PER_SPLIT)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
-        k_mask = offs_k < k_len - k
+        k_mask = offs_k < k_len - k  # a scalar bound: see _split_k_tile
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if HAS_SCALE:
@@ -155,9 +179,7 @@ def _matmul_kernel(
             HAS_BIAS, HAS_SCALE, False, ACTIVATION,
         )
     else:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        w_ptrs = c_ptr + pid_k.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(w_ptrs, acc, mask=mask)
+        _store_partial(acc, c_ptr, pid_k, offs_m, offs_n, M, N, stride_cs, stride_cm)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -211,16 +233,10 @@ def _quantized_matmul_kernel(
     float16 / bfloat16 (|code - zero| <= 255), the tile product runs on tensor cores and the
     scale multiplies its float32 result.
     """
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_xm = (offs_m % M).to(tl.int64)
-    offs_qn = (offs_n % N).to(tl.int64)
-    k_start = pid_k * K_PER_SPLIT
-    # The K-tail mask is `offs_k < k_len - k`, not `k + offs_k < k_end`, so that loads stay 16-byte
-    # vectors and the loop pipelined: see the comment in _matmul_kernel.
-    k_len = min(K - k_start, K_PER_SPLIT)
+    # The K-tail masks below are written against the scalar bound k_len: see _split_k_tile.
+    _, pid_k, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(
+        M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS == 8:
         offs_k = tl.arange(0, BLOCK_K)
@@ -267,9 +283,7 @@ def _quantized_matmul_kernel(
             HAS_BIAS, False, False, "none",
         )
     else:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        w_ptrs = c_ptr + pid_k.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(w_ptrs, acc, mask=mask)
+        _store_partial(acc, c_ptr, pid_k, offs_m, offs_n, M, N, stride_cs, stride_cm)
 
 
 @triton.jit(do_not_specialize=_DNS)
@@ -291,23 +305,16 @@ def _rms_norm_linear_kernel(
     writes its partial sum of squares (programs with pid_n == 0) and the reduce kernel forms
     rstd.
     """
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_xm = (offs_m % M).to(tl.int64)
-    offs_bn = (offs_n % N).to(tl.int64)
+    pid_n, pid_k, offs_m, offs_n, offs_xm, offs_bn, k_start, k_len = _split_k_tile(
+        M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
+    )
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
-    # The K-tail mask is `offs_k < k_len - k`, not `k + offs_k < k_end`, so that loads stay 16-byte
-    # vectors and the loop pipelined: see the comment in _matmul_kernel.
-    k_len = min(K - k_start, K_PER_SPLIT)
     x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
-        k_mask = offs_k < k_len - k
+        k_mask = offs_k < k_len - k  # a scalar bound: see _split_k_tile
         x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
         g = tl.load(g_ptr + k_start + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
@@ -323,9 +330,7 @@ def _rms_norm_linear_kernel(
             HAS_BIAS, False, True, "none",
         )
     else:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        w_ptrs = c_ptr + pid_k.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(w_ptrs, acc, mask=mask)
+        _store_partial(acc, c_ptr, pid_k, offs_m, offs_n, M, N, stride_cs, stride_cm)
         if pid_n == 0:
             tl.store(ssq_ptr + pid_k * stride_ssq + offs_m, ssq, mask=offs_m < M)
 

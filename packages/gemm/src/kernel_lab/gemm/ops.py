@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
+from kernel_lab.shared.reference.gemm import ACTIVATIONS
 
 from ._kernels import (
     _matmul_kernel,
@@ -50,8 +52,6 @@ from ._kernels import (
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn,)
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 # M at or below which the decode path (small BLOCK_M, split-K) runs: up to 64 rows one
 # 64-row tile covers M, and the weight read dominates the cost.
@@ -145,6 +145,26 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
         HAS_BIAS=bias is not None, HAS_SCALE=scale_a is not None, HAS_RSTD=ssq is not None,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
     )
+
+
+def _launch_prefill(
+    kernel, tuned_kernel, args: tuple, m: int, n: int, interpret: bool, traced: bool, **constexprs
+) -> None:
+    """Launch one program per output tile of the (m, n) result, no split-K (grid axis 1 is 1):
+    `kernel` with the small fixed config under the interpreter, else `tuned_kernel` (the same
+    kernel under @triton.autotune), whose config sets the tile sizes. constexprs: the kernel's
+    other constexpr arguments."""
+    if interpret:
+        grid = (runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK), 1)
+        runtime.launchable(kernel, traced)[grid](
+            *args, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2, **constexprs
+        )
+        return
+
+    def grid(meta):
+        return (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), 1)
+
+    runtime.launchable(tuned_kernel, traced)[grid](*args, **constexprs)
 
 
 def _tma_layout(t: torch.Tensor) -> str | None:
@@ -270,25 +290,15 @@ def matmul_fwd(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         stride_sa, stride_sb, 0, k,
     )
-    if interpret:
-        grid = (runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK), 1)
-        runtime.launchable(_matmul_kernel, traced)[grid](
-            *args, WRITE_PARTIAL=False, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK,
-            GROUP_M=2, **common,
-        )
-        return c
-    if allow_tma and _use_tma(a, b, c):
+    # The TMA path is CUDA-only: under the interpreter there is no device for _use_tma to ask about.
+    if not interpret and allow_tma and _use_tma(a, b, c):
         try:
             _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common)
             return c
         except Exception as e:  # a triton / driver that cannot build it: fall back, once and for good
             _disable_tma(e)
-    kernel = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
-
-    def grid(meta):
-        return (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), 1)
-
-    runtime.launchable(kernel, traced)[grid](*args, WRITE_PARTIAL=False, **common)
+    tuned = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
+    _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, **common)
     return c
 
 
@@ -388,39 +398,40 @@ def rms_norm_linear_fwd(
         x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
         x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
     )
-    if interpret:
-        grid = (runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK), 1)
-        runtime.launchable(_rms_norm_linear_kernel, traced)[grid](
-            *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
-            BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=INTERPRET_BLOCK, GROUP_M=2,
-        )
-        return c
-
-    def grid(meta):
-        return (runtime.cdiv(m, meta["BLOCK_M"]) * runtime.cdiv(n, meta["BLOCK_N"]), 1)
-
-    runtime.launchable(_rms_norm_linear_kernel_prefill, traced)[grid](
-        *args, HAS_BIAS=bias is not None, WRITE_PARTIAL=False
+    _launch_prefill(
+        _rms_norm_linear_kernel, _rms_norm_linear_kernel_prefill, args, m, n, interpret, traced,
+        HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
     )
     return c
 
 
 def matmul_bwd(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str, dy: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    dy: torch.Tensor,
+    gemm: Callable[..., torch.Tensor] = matmul_fwd,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(da, db, dbias) of matmul_fwd, with the same kernels on transposed views (no copies)."""
+    """(da, db, dbias) of matmul_fwd, with the same kernels on transposed views (no copies).
+
+    a: (M, K), b: (K, N), bias: (N,) or None, dy: (M, N); returns da (M, K) of a.dtype, db (K, N)
+    of b.dtype, dbias (N,) of bias.dtype or None. gemm(a, b, bias, activation, out_dtype) runs
+    each product: matmul_fwd in eager mode (`_MatmulFunction`), the kernel_lab::gemm_matmul op in
+    the backward registered on that op, so that torch.compile traces the three GEMMs.
+    """
     if activation == "none":
         dz32 = dy.float()
     else:
         # The pre-activation is recomputed rather than saved: one more GEMM instead of an
         # (M, N) float32 tensor held from forward to backward.
-        z = matmul_fwd(a, b, bias, "none", torch.float32)
+        z = gemm(a, b, bias, "none", torch.float32)
         dz32 = reference.epilogue_activation_backward(z, dy, activation, compute_dtype=torch.float32)
     # dbias from the float32 gradient: rounding dz first would add one rounding per row to the sum.
     dbias = None if bias is None else dz32.sum(0).to(bias.dtype)
     dz = dz32.to(a.dtype)
-    da = matmul_fwd(dz, b.t(), None, "none", a.dtype)
-    db = matmul_fwd(a.t(), dz, None, "none", b.dtype)
+    da = gemm(dz, b.t(), None, "none", a.dtype)
+    db = gemm(a.t(), dz, None, "none", b.dtype)
     return da, db, dbias
 
 
@@ -470,21 +481,12 @@ def _rms_norm_linear_op(
 def _matmul_setup_context(ctx, inputs, output):
     a, b, bias, activation, _ = inputs
     ctx.activation = activation
-    ctx.has_bias = bias is not None
     ctx.save_for_backward(a, b, bias)
 
 
 def _matmul_op_backward(ctx, dy):
     a, b, bias = ctx.saved_tensors
-    if ctx.activation == "none":
-        dz32 = dy.float()
-    else:
-        z = torch.ops.kernel_lab.gemm_matmul(a, b, bias, "none", torch.float32)
-        dz32 = reference.epilogue_activation_backward(z, dy, ctx.activation, compute_dtype=torch.float32)
-    dbias = dz32.sum(0).to(bias.dtype) if ctx.has_bias else None
-    dz = dz32.to(a.dtype)
-    da = torch.ops.kernel_lab.gemm_matmul(dz, b.t(), None, "none", a.dtype)
-    db = torch.ops.kernel_lab.gemm_matmul(a.t(), dz, None, "none", b.dtype)
+    da, db, dbias = matmul_bwd(a, b, bias, ctx.activation, dy, gemm=torch.ops.kernel_lab.gemm_matmul)
     return da, db, dbias, None, None
 
 
@@ -671,8 +673,8 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Te
         raise ValueError(f"quantize_fp8: granularity='row' needs a 2-D x, got shape {tuple(x.shape)}")
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if granularity == "row" else xf.abs().amax().reshape(1)
-    scale = amax.clamp_min(1e-12) / FP8_E4M3_MAX
-    q = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = amax.clamp_min(1e-12) / reference.FP8_E4M3_MAX
+    q = (xf / scale).clamp(-reference.FP8_E4M3_MAX, reference.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
