@@ -57,12 +57,6 @@ LOOP_PROGRAMS_PER_SM = 4
 # Programs per SM of the wide backward; each owns a contiguous block of rows, read twice. Two
 # beat one and four on an H200 at 1024 x 65536 bf16.
 WIDE_PROGRAMS_PER_SM = 2
-# The interpreter has no SMs; a small stand-in still exercises several programs on the CPU.
-INTERPRET_SM_COUNT = 4
-
-
-def _sm_count(device: torch.device) -> int:
-    return runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
 
 
 @dataclass(frozen=True)
@@ -78,11 +72,7 @@ class _Tile:
 def _tile(n_rows: int, n_cols: int, max_fused_cols: int, backward: bool = False) -> _Tile:
     if n_cols > max_fused_cols:
         return _Tile(False, 1, *((WIDE_BLOCK_N, WIDE_NUM_WARPS) if backward else (LOOP_BLOCK_N, LOOP_NUM_WARPS)))
-    block_n = runtime.next_power_of_2(n_cols)
-    block_m = max(1, min(ROWS_TILE // block_n, runtime.next_power_of_2(n_rows)))
-    # about 16 elements per thread, 4 to 32 warps
-    num_warps = min(32, max(4, block_m * block_n // 512))
-    return _Tile(True, block_m, block_n, num_warps)
+    return _Tile(True, *runtime.row_tile(n_rows, n_cols, ROWS_TILE))
 
 
 def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
@@ -92,7 +82,7 @@ def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
         return (runtime.cdiv(n_rows, t.block_m),)
     if LOOP_PROGRAMS_PER_SM <= 0:
         return (n_rows,)
-    return (min(n_rows, _sm_count(device) * LOOP_PROGRAMS_PER_SM),)
+    return (min(n_rows, runtime.sm_count(device) * LOOP_PROGRAMS_PER_SM),)
 
 
 def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int]:
@@ -100,18 +90,11 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int
     BWD_WARPS_PER_SM warps per SM, striding over BLOCK_M-row blocks (rows_per_program is 0,
     unused). Wide: WIDE_PROGRAMS_PER_SM programs per SM, each owning rows_per_program
     contiguous rows (the last program fewer)."""
-    sms = _sm_count(device)
+    sms = runtime.sm_count(device)
     if t.one_tile:
         return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
     rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` viewed as (rows, hidden) with unit column stride: a view whenever the layout allows
-    one (e.g. padded rows), a copy otherwise."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _reduce_partial(partial: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -148,7 +131,7 @@ def rms_norm_fwd(
         else:
             y = reference.rms_norm(xf, weight, eps, offset=offset, compute_dtype=torch.float32)
         return y.to(x.dtype), None if residual is None else xf.to(x.dtype), rstd
-    x2 = _as_rows(x)
+    x2 = runtime.rows_view(x)
     n_rows = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     u = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -156,8 +139,8 @@ def rms_norm_fwd(
     if y.numel() == 0:
         return y, u, rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
-    r2 = x2 if residual is None else _as_rows(residual)
-    z2 = x2 if gate is None else _as_rows(gate)
+    r2 = x2 if residual is None else runtime.rows_view(residual)
+    z2 = x2 if gate is None else runtime.rows_view(gate)
     u2 = y2 if u is None else u.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
     runtime.launchable(_rms_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
@@ -201,12 +184,12 @@ def rms_norm_bwd(
     dgate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if dx.numel() == 0:
         return dx, dgate, None if weight is None else torch.zeros_like(weight)
-    x2, dy2 = _as_rows(xn), _as_rows(dy)
+    x2, dy2 = runtime.rows_view(xn), runtime.rows_view(dy)
     n_rows = x2.shape[0]
     dx2 = dx.view(-1, n_cols)
-    z2 = x2 if gate is None else _as_rows(gate)
+    z2 = x2 if gate is None else runtime.rows_view(gate)
     dz2 = dx2 if dgate is None else dgate.view(-1, n_cols)
-    du2 = dx2 if du is None else _as_rows(du)
+    du2 = dx2 if du is None else runtime.rows_view(du)
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
     strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
@@ -239,7 +222,7 @@ def layer_norm_fwd(
         mean, rstd = reference.layer_norm_stats(xf, eps, compute_dtype=torch.float32)
         y = reference.layer_norm(xf, weight, bias, eps, compute_dtype=torch.float32)
         return y.to(x.dtype), mean.reshape(-1), rstd.reshape(-1)
-    x2 = _as_rows(x)
+    x2 = runtime.rows_view(x)
     n_rows = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -279,7 +262,7 @@ def layer_norm_bwd(
     if dx.numel() == 0:
         zeros = lambda p: None if p is None else torch.zeros_like(p)
         return dx, zeros(weight), zeros(bias)
-    x2, dy2 = _as_rows(x), _as_rows(dy)
+    x2, dy2 = runtime.rows_view(x), runtime.rows_view(dy)
     n_rows = x2.shape[0]
     dx2 = dx.view(-1, n_cols)
     w = x2 if weight is None else weight
