@@ -71,10 +71,9 @@ MAX_SPLIT_K = 16
 # Autotune keys bucket M by powers of two up to this: every prefill M >= 4096 shares a tuning.
 M_BUCKET_CAP = 4096
 
-# Under the interpreter: one small config (no autotune), and a stand-in SM count so that the
-# split-K path is exercised on the CPU too.
+# Under the interpreter: one small config (no autotune); runtime.sm_count's stand-in SM count
+# keeps the split-K path exercised on the CPU too.
 INTERPRET_BLOCK = 32
-INTERPRET_SM_COUNT = 4
 
 REDUCE_BLOCK_N = 128
 
@@ -97,10 +96,6 @@ def _m_bucket(m: int) -> int:
     return min(runtime.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
 
 
-def _sm_count(device: torch.device) -> int:
-    return runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
-
-
 @dataclass(frozen=True)
 class _SkinnyPlan:
     block_m: int
@@ -120,7 +115,7 @@ def _skinny_plan(
     block_m = max(16, runtime.next_power_of_2(m))
     block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
-    split = runtime.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device), tiles)
+    split = runtime.cdiv(SPLIT_PROGRAMS_PER_SM * runtime.sm_count(device), tiles)
     partial_bytes_per_split = 2 * m * n * 4
     split = min(split, max(1, int(SPLIT_MAX_TRAFFIC * weight_bytes / partial_bytes_per_split)), MAX_SPLIT_K)
     split = max(1, min(split, runtime.cdiv(k, k_align)))
@@ -213,7 +208,7 @@ def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None
     else:
         b_desc = TensorDescriptor(b, [k, n], [b.stride(0), 1], placeholder)
     c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], placeholder)
-    sms = _sm_count(a.device)
+    sms = runtime.sm_count(a.device)
     args = (a_desc, b_desc, c_desc, bias_arg, sa, sb, m, n, k, _m_bucket(m), stride_sa, stride_sb)
     if a.device.type != "cuda":  # the interpreter (tests): one small config, no autotuning
         meta = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True)
