@@ -21,7 +21,6 @@ import triton
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
-from kernel_lab.shared.reference.attention import check_cu_seqlens
 
 from ._kernels import (
     _attn_bwd_dkdv_kernel,
@@ -527,7 +526,7 @@ def _check_cu_seqlens(cu: torch.Tensor, arg: str, total: int, max_seqlen: int, q
         raise TypeError(f"{name}: max_seqlen for {arg} must be a non-negative int, got {max_seqlen!r}")
     if torch.compiler.is_compiling():
         return  # the data checks below read the tensor (a device sync); eager mode only
-    vals = check_cu_seqlens(cu, total, f"{name}: {arg}")
+    vals = reference.check_cu_seqlens(cu, total, f"{name}: {arg}")
     lengths = [b - a for a, b in itertools.pairwise(vals)]
     if max(lengths) > max_seqlen:
         raise ValueError(f"{name}: max_seqlen {max_seqlen} for {arg} is below the longest sequence {max(lengths)}")

@@ -14,6 +14,7 @@ from .attention import (
     attention_mask,
     attention_varlen,
     attention_varlen_backward,
+    check_cu_seqlens,
     rope,
     rope_backward,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "attention_varlen_backward",
     "bias_gelu",
     "bias_gelu_backward",
+    "check_cu_seqlens",
     "decode_attention",
     "dequantize_weight",
     "epilogue_activation",
