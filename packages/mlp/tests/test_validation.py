@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lab import mlp
+from kernel_lab.mlp import ops
 from kernel_lab.shared import reference, runtime
 from kernel_lab.shared.testing import assert_close_to_reference, randn
 
@@ -133,3 +134,29 @@ def test_ops_under_torch_compile_fullgraph_match_eager(seed, op):
         # dbias adds per-chunk float32 partial sums with torch; under inductor that last sum is
         # generated code with another summation order (float32 rounding of a 300-row sum)
         torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
+
+
+# one per registered forward op (geglu shares swiglu's, gelu_and_mul silu_and_mul's)
+@pytest.mark.parametrize("op", ["swiglu", "silu_and_mul", "bias_gelu"])
+def test_registered_ops_pass_opcheck_and_differentiate_like_eager(monkeypatch, seed, op):
+    """The torch.library ops that torch.compile calls, on the CPU tier: with the launchers on
+    the reference backend (torch code, which fake tensors can trace, unlike the interpreter)
+    opcheck passes (schema, fake, autograd registration) and the gradients through the
+    registered backward equal those of the eager autograd.Function, bit for bit."""
+    monkeypatch.setattr(ops.runtime, "backend", lambda t: "reference")
+    x = randn(5, 12, seed=seed, scale=2.0, requires_grad=True)
+    w = randn(5, 12, seed=seed + 1, requires_grad=True)
+    b = randn(12, seed=seed + 2, requires_grad=True)
+    registered, eager, inputs, activation = {
+        "swiglu": (torch.ops.kernel_lab.mlp_gated_fwd, mlp.swiglu, (x, w), "silu"),
+        "silu_and_mul": (torch.ops.kernel_lab.mlp_gated_packed_fwd, mlp.silu_and_mul, (x,), "silu"),
+        "bias_gelu": (torch.ops.kernel_lab.mlp_bias_gelu_fwd, mlp.bias_gelu, (x, b), "gelu"),
+    }[op]
+    torch.library.opcheck(registered.default, (*inputs, activation))
+    y_op, y_eager = registered(*inputs, activation), eager(*inputs)
+    torch.testing.assert_close(y_op, y_eager, rtol=0, atol=0)
+    dy = randn(*y_eager.shape, seed=seed + 3)
+    grads_op = torch.autograd.grad(y_op, inputs, dy)
+    grads_eager = torch.autograd.grad(y_eager, inputs, dy)
+    for g_op, g_eager in zip(grads_op, grads_eager, strict=True):
+        torch.testing.assert_close(g_op, g_eager, rtol=0, atol=0)

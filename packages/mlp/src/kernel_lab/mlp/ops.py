@@ -15,6 +15,8 @@ Activation names used throughout: "silu", "gelu" (exact, erf) and "gelu_tanh".
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.library import triton_op
 
@@ -52,9 +54,11 @@ BIAS_GRAD_PROGRAMS_PER_SM = 4
 INTERPRET_SM_COUNT = 2
 
 
-def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+def _blocks(n_rows: int, n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a tile of about `tile_elements`: as many columns as MAX_BLOCK_N
+    allows, then the rows that fill the tile (no more than there are)."""
     block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(TILE_ELEMENTS // block_n, runtime.next_power_of_2(n_rows)))
+    block_m = max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows)))
     return block_m, block_n
 
 
@@ -73,10 +77,6 @@ def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :d], x[..., d:]
 
 
-def _act_name(activation: str) -> str:
-    return "silu" if activation == "silu" else "gelu"
-
-
 def _approx(activation: str) -> str:
     return "tanh" if activation == "gelu_tanh" else "none"
 
@@ -91,18 +91,24 @@ def _reference_gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
 # Launchers. They assume checked inputs (see the public ops below).
 
 
+def _launch_tiles(kernel, args: tuple, n_rows: int, n_cols: int, activation: str, traced: bool) -> None:
+    """Launch an element-wise kernel over (n_rows, n_cols), one program per BLOCK_M x BLOCK_N
+    tile. args: the kernel's arguments before its constexprs (pointers, sizes, row strides)."""
+    if n_rows * n_cols == 0:
+        return
+    block_m, block_n = _blocks(n_rows, n_cols)
+    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
+    runtime.launchable(kernel, traced)[grid](
+        *args, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS
+    )
+
+
 def _launch_gated_fwd(
     g2: torch.Tensor, u2: torch.Tensor, out2: torch.Tensor, activation: str, traced: bool = False
 ) -> None:
     n_rows, n_cols = out2.shape
-    if out2.numel() == 0:
-        return
-    block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
-    runtime.launchable(_gated_fwd_kernel, traced)[grid](
-        g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    args = (g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0))
+    _launch_tiles(_gated_fwd_kernel, args, n_rows, n_cols, activation, traced)
 
 
 def _launch_gated_bwd(
@@ -115,15 +121,11 @@ def _launch_gated_bwd(
     traced: bool = False,
 ) -> None:
     n_rows, n_cols = dy2.shape
-    if dy2.numel() == 0:
-        return
-    block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
-    runtime.launchable(_gated_bwd_kernel, traced)[grid](
+    args = (
         g2, u2, dy2, dg2, du2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
     )  # fmt: skip
+    _launch_tiles(_gated_bwd_kernel, args, n_rows, n_cols, activation, traced)
 
 
 def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, traced: bool = False) -> torch.Tensor:
@@ -177,14 +179,8 @@ def _launch_bias_gelu_fwd(
     x2: torch.Tensor, bias: torch.Tensor, out2: torch.Tensor, activation: str, traced: bool = False
 ) -> None:
     n_rows, n_cols = out2.shape
-    if out2.numel() == 0:
-        return
-    block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
-    runtime.launchable(_bias_gelu_fwd_kernel, traced)[grid](
-        x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    args = (x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0))
+    _launch_tiles(_bias_gelu_fwd_kernel, args, n_rows, n_cols, activation, traced)
 
 
 def _launch_bias_gelu_bwd(
@@ -194,8 +190,7 @@ def _launch_bias_gelu_bwd(
     n_rows, n_cols = dx2.shape
     if dx2.numel() == 0:
         return torch.zeros_like(bias)
-    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(BIAS_GRAD_TILE_ELEMENTS // block_n, runtime.next_power_of_2(n_rows)))
+    block_m, block_n = _blocks(n_rows, n_cols, BIAS_GRAD_TILE_ELEMENTS)
     col_blocks = runtime.cdiv(n_cols, block_n)
     device = dx2.device
     sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
@@ -274,72 +269,45 @@ def _bias_gelu_bwd_op(
 
 
 def _save_inputs(ctx, inputs, output):
+    """setup_context of an op over (*tensors, activation): saves the tensors for its backward."""
     *tensors, ctx.activation = inputs
     ctx.save_for_backward(*tensors)
 
 
-def _gated_op_backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.kernel_lab.mlp_gated_bwd(gate, up, dy, ctx.activation)
-    return dgate, dup, None
+def _input_grads(bwd, ctx, dy) -> tuple:
+    """Gradients of the inputs (*tensors, activation) saved by `_save_inputs`, from
+    bwd(*tensors, dy, activation), a backward launcher or op that returns the tensors' gradients
+    (one tensor, or a tuple when there are several); the activation string gets None."""
+    grads = bwd(*ctx.saved_tensors, dy, ctx.activation)
+    return (*grads, None) if isinstance(grads, tuple) else (grads, None)
 
 
-def _gated_packed_op_backward(ctx, dy):
-    (x,) = ctx.saved_tensors
-    return torch.ops.kernel_lab.mlp_gated_packed_bwd(x, dy, ctx.activation), None
+# Each forward op differentiates through its backward op (the graph torch.compile builds calls it).
+_gated_fwd_op.register_autograd(partial(_input_grads, torch.ops.kernel_lab.mlp_gated_bwd), setup_context=_save_inputs)
+_gated_packed_fwd_op.register_autograd(
+    partial(_input_grads, torch.ops.kernel_lab.mlp_gated_packed_bwd), setup_context=_save_inputs
+)
+_bias_gelu_fwd_op.register_autograd(
+    partial(_input_grads, torch.ops.kernel_lab.mlp_bias_gelu_bwd), setup_context=_save_inputs
+)
 
 
-def _bias_gelu_op_backward(ctx, dy):
-    x, bias = ctx.saved_tensors
-    dx, dbias = torch.ops.kernel_lab.mlp_bias_gelu_bwd(x, bias, dy, ctx.activation)
-    return dx, dbias, None
+class _LauncherFunction(torch.autograd.Function):
+    """Eager autograd: the launchers the registered ops run, without custom-op dispatch.
 
-
-_gated_fwd_op.register_autograd(_gated_op_backward, setup_context=_save_inputs)
-_gated_packed_fwd_op.register_autograd(_gated_packed_op_backward, setup_context=_save_inputs)
-_bias_gelu_fwd_op.register_autograd(_bias_gelu_op_backward, setup_context=_save_inputs)
-
-
-# Eager autograd: the same launchers without custom-op dispatch.
-
-
-class _GatedFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.activation = activation
-        ctx.save_for_backward(gate, up)
-        return gated_fwd(gate, up, activation)
+    apply(fwd, bwd, *tensors, activation): the output of fwd(*tensors, activation); backward
+    through bwd(*tensors, dy, activation) (see `_input_grads`).
+    """
 
     @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        return *gated_bwd(gate, up, dy, ctx.activation), None
-
-
-class _GatedPackedFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, activation):
-        ctx.activation = activation
-        ctx.save_for_backward(x)
-        return gated_packed_fwd(x, activation)
+    def forward(ctx, fwd, bwd, *inputs):
+        ctx.bwd = bwd
+        _save_inputs(ctx, inputs, None)
+        return fwd(*inputs)
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return gated_packed_bwd(x, dy, ctx.activation), None
-
-
-class _BiasGeluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, activation):
-        ctx.activation = activation
-        ctx.save_for_backward(x, bias)
-        return bias_gelu_fwd(x, bias, activation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, bias = ctx.saved_tensors
-        return *bias_gelu_bwd(x, bias, dy, ctx.activation), None
+        return None, None, *_input_grads(ctx.bwd, ctx, dy)
 
 
 # Checks and public ops.
@@ -383,7 +351,7 @@ def _gated(name: str, gate, up, activation: str, backend: str | None) -> torch.T
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_gated_fwd(gate, up, activation)
     if _needs_grad(gate, up):
-        return _GatedFunction.apply(gate, up, activation)
+        return _LauncherFunction.apply(gated_fwd, gated_bwd, gate, up, activation)
     return gated_fwd(gate, up, activation)
 
 
@@ -397,7 +365,7 @@ def _gated_packed(name: str, x, activation: str, backend: str | None) -> torch.T
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_gated_packed_fwd(x, activation)
     if _needs_grad(x):
-        return _GatedPackedFunction.apply(x, activation)
+        return _LauncherFunction.apply(gated_packed_fwd, gated_packed_bwd, x, activation)
     return gated_packed_fwd(x, activation)
 
 
@@ -475,5 +443,5 @@ def bias_gelu(
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_bias_gelu_fwd(x, bias, activation)
     if _needs_grad(x, bias):
-        return _BiasGeluFunction.apply(x, bias, activation)
+        return _LauncherFunction.apply(bias_gelu_fwd, bias_gelu_bwd, x, bias, activation)
     return bias_gelu_fwd(x, bias, activation)
