@@ -108,9 +108,9 @@ def _decode_configs():
     # Under the interpreter every config would run at every call: keep one.
     if runtime.interpret_mode():
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    # KERNEL_LAB_AUTOTUNE=0 keeps one config: test suites with many shapes then compile each
+    # KERNEL_LAB_KVCACHE_AUTOTUNE=0 keeps one config: test suites with many shapes then compile each
     # specialization once instead of once per config.
-    if os.environ.get("KERNEL_LAB_AUTOTUNE", "1") == "0":
+    if os.environ.get("KERNEL_LAB_KVCACHE_AUTOTUNE", "1") == "0":
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)]
     return [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)

@@ -324,9 +324,7 @@ class KVCache(_CacheBase):
         """Empty the given sequences (default: all) at every layer; storage is not cleared."""
         rows = _host_ints("seq_ids", seq_ids)
         rows = list(range(self.batch_size)) if rows is None else rows
-        for r in rows:
-            if not 0 <= r < self.batch_size:
-                raise ValueError(f"seq_id {r} is outside [0, {self.batch_size})")
+        self._check_rows(rows)
         self._lengths[:, rows] = 0
         for host in self._host_lengths:
             for r in rows:

@@ -45,8 +45,6 @@ INTERPRET_SM_COUNT = 4
 LOG2E = 1.4426950408889634
 
 
-
-
 # ----------------------------------------------------------------------------------------
 # checks
 
@@ -159,21 +157,29 @@ def kv_append(
         kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
 
 
-def _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale):
-    """The append with torch indexing (the "reference" backend: CPU without the interpreter)."""
-    reference.kvcache.kv_append(
-        k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts, block_table=block_table,
-        k_scale=k_scale, v_scale=v_scale,
-    )
-
-
-def kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale) -> None:
-    """Launcher of the append (inputs already checked): one Triton launch for the whole batch."""
+def kv_append_fwd(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    seq_ids: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Launcher of the append (inputs already checked): one Triton launch for the whole batch,
+    or the shared reference's torch indexing on the "reference" backend (CPU without the
+    interpreter). Also the implementation of the custom op `kernel_lab::kvcache_append`."""
     bsz, t_new, h_kv, d = k_new.shape
     if bsz * t_new == 0:
         return
     if runtime.backend(k_cache) == "reference":
-        _kv_append_reference(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
+        reference.kv_append(
+            k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts, block_table=block_table,
+            k_scale=k_scale, v_scale=v_scale,
+        )
         return
     dummy = lengths  # stands in for absent optional pointers; never read (constexpr flags)
     _kv_append_kernel[(bsz * t_new,)](
@@ -406,11 +412,20 @@ def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, 
     return out.to(q.dtype)
 
 
-def flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale,
-                     scale: float, num_splits: int) -> torch.Tensor:
-    """Launcher of decode attention (inputs checked, index tensors int32). Output: q's shape."""
-    if runtime.backend(q) == "reference":
-        return _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale)
+def flash_decode_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_ids: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """Launcher of decode attention (inputs checked, index tensors int32). Output: q's shape.
+    Also the implementation of the custom op `kernel_lab::kvcache_decode`."""
     cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
     return _decode_launch(q, cache, seq_ids, scale, num_splits)
 
@@ -609,41 +624,14 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
 # compiled graph gains nothing from seeing inside a decode kernel.
 
 
-@custom_op("kernel_lab::kvcache_decode", mutates_args=())
-def _kvcache_decode_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lengths: torch.Tensor,
-    block_table: torch.Tensor | None,
-    seq_ids: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    scale: float,
-    num_splits: int,
-) -> torch.Tensor:
-    return flash_decode_fwd(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale, num_splits)
+# The launchers are the ops' implementations: their annotated signatures are the schemas.
+_kvcache_decode_op = custom_op("kernel_lab::kvcache_decode", flash_decode_fwd, mutates_args=())
+_kvcache_append_op = custom_op("kernel_lab::kvcache_append", kv_append_fwd, mutates_args={"k_cache", "v_cache"})
 
 
 @_kvcache_decode_op.register_fake
 def _kvcache_decode_fake(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale, num_splits):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-@custom_op("kernel_lab::kvcache_append", mutates_args={"k_cache", "v_cache"})
-def _kvcache_append_op(
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lengths: torch.Tensor,
-    seq_ids: torch.Tensor | None,
-    counts: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> None:
-    kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
 
 
 @_kvcache_append_op.register_fake
