@@ -39,8 +39,6 @@ MAX_BLOCK_M = 64
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
-# The interpreter has no SMs; a small stand-in keeps the split path exercised on the CPU.
-INTERPRET_SM_COUNT = 4
 
 LOG2E = 1.4426950408889634
 
@@ -211,8 +209,7 @@ def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: to
     so a 128k context is cut into 66 splits (528 programs); B=64 already has 512 programs at
     one split and is not split.
     """
-    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
-    return _num_splits(batch, h_kv, m_tiles, max_len, sm_count)
+    return _num_splits(batch, h_kv, m_tiles, max_len, runtime.sm_count(device))
 
 
 def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int) -> int:
@@ -302,10 +299,9 @@ class DecodeCache:
         self._queries: dict = {}
 
     def sm_count(self) -> int:
-        """SMs of the cache's device (INTERPRET_SM_COUNT off CUDA), for the split plan."""
+        """SMs of the cache's device (runtime.sm_count: a stand-in off CUDA), for the split plan."""
         if self._sm_count is None:
-            self._sm_count = (runtime.device_info(self.device.index).sm_count if self.is_cuda
-                              else INTERPRET_SM_COUNT)
+            self._sm_count = runtime.sm_count(self.device)
         return self._sm_count
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.library import triton_op
 
 from kernel_lab.shared import reference, runtime
+from kernel_lab.shared.runtime import rows_view
 
 from ._kernels import (
     GELU,
@@ -50,25 +51,14 @@ BIAS_GRAD_TILE_ELEMENTS = 4096
 # bias_gelu backward: programs per SM the column-sum split aims for. Each program streams a
 # chunk of rows, so a few resident programs per SM keep enough loads in flight.
 BIAS_GRAD_PROGRAMS_PER_SM = 4
-# The interpreter has no SMs; a small stand-in still exercises several row chunks on the CPU.
-INTERPRET_SM_COUNT = 2
 
 
 def _blocks(n_rows: int, n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of a tile of about `tile_elements`: as many columns as MAX_BLOCK_N
-    allows, then the rows that fill the tile (no more than there are)."""
-    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
-    block_m = max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows)))
+    allows, then the rows that fill the tile (no more than there are). The kernels run
+    NUM_WARPS warps whatever the tile, so the heuristic's warp count is not used."""
+    block_m, block_n, _ = runtime.row_tile(n_rows, n_cols, tile_elements, MAX_BLOCK_N)
     return block_m, block_n
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` viewed as (rows, cols) with unit column stride: a view whenever the layout allows
-    one (padded rows, one half of a packed tensor), a copy otherwise."""
-    if t.stride(-1) != 1 and t.shape[-1] != 1:
-        t = t.contiguous()
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +124,7 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, traced: boo
         return _reference_gated_fwd(gate, up, activation)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel():
-        _launch_gated_fwd(_as_rows(gate), _as_rows(up), out.view(-1, out.shape[-1]), activation, traced)
+        _launch_gated_fwd(rows_view(gate), rows_view(up), out.view(-1, out.shape[-1]), activation, traced)
     return out
 
 
@@ -153,7 +143,7 @@ def gated_bwd(
     if dgate.numel():
         n = gate.shape[-1]
         _launch_gated_bwd(
-            _as_rows(gate), _as_rows(up), _as_rows(dy), dgate.view(-1, n), dup.view(-1, n), activation, traced
+            rows_view(gate), rows_view(up), rows_view(dy), dgate.view(-1, n), dup.view(-1, n), activation, traced
         )
     return dgate, dup
 
@@ -171,7 +161,7 @@ def gated_packed_bwd(x: torch.Tensor, dy: torch.Tensor, activation: str, traced:
     if dx.numel():
         gate, up = _split(x)
         dgate, dup = _split(dx.view(-1, x.shape[-1]))
-        _launch_gated_bwd(_as_rows(gate), _as_rows(up), _as_rows(dy), dgate, dup, activation, traced)
+        _launch_gated_bwd(rows_view(gate), rows_view(up), rows_view(dy), dgate, dup, activation, traced)
     return dx
 
 
@@ -193,8 +183,7 @@ def _launch_bias_gelu_bwd(
     block_m, block_n = _blocks(n_rows, n_cols, BIAS_GRAD_TILE_ELEMENTS)
     col_blocks = runtime.cdiv(n_cols, block_n)
     device = dx2.device
-    sm_count = runtime.device_info(device.index).sm_count if device.type == "cuda" else INTERPRET_SM_COUNT
-    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * sm_count, col_blocks)
+    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * runtime.sm_count(device), col_blocks)
     chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
     rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
     chunks = runtime.cdiv(n_rows, rows_per_program)
@@ -213,7 +202,7 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, activation: str, traced: 
         return reference.bias_gelu(x, bias, _approx(activation), compute_dtype=torch.float32).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        _launch_bias_gelu_fwd(_as_rows(x), bias, out.view(-1, x.shape[-1]), activation, traced)
+        _launch_bias_gelu_fwd(rows_view(x), bias, out.view(-1, x.shape[-1]), activation, traced)
     return out
 
 
@@ -228,7 +217,7 @@ def bias_gelu_bwd(
     if dx.numel() == 0:
         return dx, torch.zeros_like(bias)
     n = x.shape[-1]
-    return dx, _launch_bias_gelu_bwd(_as_rows(x), bias, _as_rows(dy), dx.view(-1, n), activation, traced)
+    return dx, _launch_bias_gelu_bwd(rows_view(x), bias, rows_view(dy), dx.view(-1, n), activation, traced)
 
 
 # torch.library registration: what torch.compile sees.
