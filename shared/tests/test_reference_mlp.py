@@ -23,6 +23,16 @@ def test_gelu_reference_matches_torch_float64(seed, approximate):
     )
 
 
+def test_exact_gelu_reference_keeps_relative_accuracy_down_the_left_tail():
+    """Phi from erfc: x * Phi(x) is the tail integral itself, where 1 + erf(x / sqrt(2)) would
+    cancel to 0 in float64 below x = -8.3. Checked against the asymptotic series
+    Phi(x) = phi(x) / |x| * (1 - 1/x^2 + 3/x^4 - 15/x^6 + ...), exact to 1e-9 at |x| >= 20."""
+    x = torch.tensor([-20.0, -30.0, -37.0], dtype=torch.float64)
+    pdf = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+    series = pdf / x.abs() * (1 - x**-2 + 3 * x**-4 - 15 * x**-6 + 105 * x**-8)
+    torch.testing.assert_close(reference.gelu(x), x * series, rtol=1e-9, atol=0.0)
+
+
 @pytest.mark.parametrize("approximate", APPROX)
 def test_gelu_backward_reference_matches_autograd(seed, approximate):
     x = randn(5, 29, dtype=torch.float64, seed=seed, scale=3.0)

@@ -45,6 +45,12 @@ def _check_approximate(approximate: str) -> None:
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
 
 
+def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    """Phi(x) = 0.5 * (1 + erf(x / sqrt(2))), written with erfc: 1 + erf(x) cancels for negative
+    x (to 0 below x = -8.3 in float64), 0.5 * erfc(-x / sqrt(2)) keeps its relative accuracy."""
+    return 0.5 * torch.erfc(-x / math.sqrt(2.0))
+
+
 def gelu(
     x: torch.Tensor, approximate: str = "none", *, compute_dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
@@ -53,7 +59,7 @@ def gelu(
     x = x.to(compute_dtype)
     if approximate == "tanh":
         return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + _TANH_COEF * x**3)))
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    return x * _normal_cdf(x)
 
 
 def gelu_backward(
@@ -75,9 +81,8 @@ def gelu_backward(
         t = torch.tanh(_SQRT_2_OVER_PI * (x + _TANH_COEF * x**3))
         d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_COEF * x * x)
     else:
-        cdf = 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
         pdf = torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-        d = cdf + x * pdf
+        d = _normal_cdf(x) + x * pdf
     return dy * d
 
 
