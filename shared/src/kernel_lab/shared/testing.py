@@ -40,6 +40,7 @@ __all__ = [
     "randn",
     "require_sm90_compiler",
     "rerun_without_interpreter",
+    "sass_instructions",
     "strided_rows",
     "transposed_copy",
 ]
@@ -245,7 +246,9 @@ def assert_close_to_reference(
 RERUN_TEST_NAME = "test_rerun_without_interpreter"
 
 
-def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int):
+def compile_for_sm90(
+    fn, types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int, aligned: bool = False
+):
     """Compile the Triton kernel `fn` for an H100/H200 (sm_90) on this machine, GPU or not.
 
     fn: a @triton.jit function, also through @triton.autotune / @triton.heuristics; it must not
@@ -253,6 +256,9 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: 
     Argument types: "constexpr" (with its value from `constexprs`) for names in `constexprs`,
     else `types[name]` where given (pointers "*bf16", "*i32"; scalars "fp32", "fp64"), else
     "i64" for names starting with "stride" and "i32" for the other integers.
+    aligned: specialise every pointer and integer argument as a multiple of 16, as the launcher
+    does for aligned LLM shapes (it enables 16-byte vector accesses), except the parameters the
+    kernel marks do_not_specialize.
     Returns triton's compiled kernel: `.asm` holds "ptx" and "cubin".
     """
     import triton
@@ -270,9 +276,36 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, *, num_warps: 
             sig[name] = types[name]
         else:
             sig[name] = "i64" if name.startswith("stride") else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    attrs = {}
+    if aligned:
+        unspecialised = {p.name for p in fn.params if p.do_not_specialize}
+        attrs = {
+            (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, ty in sig.items()
+            if ty != "constexpr" and not ty.startswith("fp") and name not in unspecialised
+        }
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     sm90 = GPUTarget("cuda", 90, 32)  # capability 9.0, 32-thread warps
     return triton.compile(src, target=sm90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_instructions(compiled) -> list[str]:
+    """The SASS instructions of a kernel from `compile_for_sm90` (its cubin disassembled by the
+    nvdisasm that ships with the triton wheel), one string each, e.g. "FFMA R4, R2, R3, R4 ;"."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    # instruction lines look like "        /*0040*/   FFMA R4, R2, R3, R4 ;" (nvdisasm -c)
+    instruction = re.compile(r"[ \t]*/\*[0-9a-f]{4,}\*/[ \t]+([^/]+?)[ \t]*(?:/\*.*)?$")
+    return [m.group(1) for line in listing.splitlines() if (m := instruction.match(line))]
 
 
 def require_sm90_compiler(test_name: str) -> None:

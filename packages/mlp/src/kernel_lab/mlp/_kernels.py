@@ -41,11 +41,11 @@ ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
 def _normal_cdf(x):
     """Phi(x) = 0.5 * (1 + erf(x / sqrt(2))) in float32, from the upper tail 0.5 * erfc(|x| / sqrt(2)).
 
-    Why not tl.erf: libdevice's erff costs about 25 instructions per element on sm_90 (two
-    polynomials and a select), which made exact-GELU kernels instruction-bound below the
-    memory floor (bias_gelu: about 40 SASS instructions per element for 4 bytes moved, where an
-    H200 issues about 32 per element at full copy bandwidth). ERFC_P instead: one division,
-    one exp2 and nine FMAs, fractional error below 1.2e-7. Taking the tail directly also
+    Why not tl.erf: libdevice's erff (two polynomials and a select) made bias_gelu's forward
+    compile to more SASS instructions per element than an H200 can issue per element while
+    moving its 4 bytes at copy bandwidth, so the kernel was bound by instruction issue, not
+    memory (tests/test_compiled_code.py counts them). ERFC_P instead: one division, one exp2
+    and nine FMAs, fractional error below 1.2e-7. Taking the tail directly also
     avoids the cancellation of 1 + erf(x) for negative x, so Phi keeps its relative accuracy
     down the left tail, where 0.5 * (1 + erf) loses it.
     """
