@@ -145,6 +145,8 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     A view whenever the layout allows one (padded rows, one half of a packed tensor, a slice of a
     wider buffer), a copy otherwise. A row of one column needs no unit stride.
     """
+    if t.ndim == 2 and t.stride(1) == 1:  # already rows: skip reshape's dispatch (host time)
+        return t
     rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: rows of 0 columns are allowed
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
 
