@@ -159,8 +159,9 @@ INTERPRET_SM_COUNT = 4
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors that a launch on `device` can fill: the CUDA device's own count
-    (cached by `device_info`), INTERPRET_SM_COUNT for the CPU / the interpreter."""
-    if device.type == "cuda" and not interpret_mode():
+    (cached by `device_info`), INTERPRET_SM_COUNT off CUDA. On the eager launch path: no
+    environment read here (interpret_mode() costs about a microsecond of host time)."""
+    if device.type == "cuda":
         return device_info(device.index).sm_count
     return INTERPRET_SM_COUNT
 
