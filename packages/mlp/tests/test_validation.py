@@ -160,3 +160,13 @@ def test_registered_ops_pass_opcheck_and_differentiate_like_eager(monkeypatch, s
     grads_eager = torch.autograd.grad(y_eager, inputs, dy)
     for g_op, g_eager in zip(grads_op, grads_eager, strict=True):
         torch.testing.assert_close(g_op, g_eager, rtol=0, atol=0)
+    # Both paths share _input_grads, so also check the registered backward against the float64
+    # reference (the float32 launch fallback: the default atol budget, no baseline needed).
+    detached = [t.detach() for t in inputs]
+    expected = {
+        "swiglu": lambda: reference.swiglu_backward(*detached, dy),
+        "silu_and_mul": lambda: (reference.silu_and_mul_backward(*detached, dy),),
+        "bias_gelu": lambda: reference.bias_gelu_backward(*detached, dy),
+    }[op]()
+    for i, (g_op, ref) in enumerate(zip(grads_op, expected, strict=True)):
+        assert_close_to_reference(g_op, ref, name=f"{op} grad {i}")
