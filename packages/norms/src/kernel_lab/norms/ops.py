@@ -15,7 +15,7 @@ backward launcher (flags select residual and gate), LayerNorm has its own pair.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.library import triton_op
@@ -50,6 +50,20 @@ WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
 # Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were slower
 # on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
 BWD_WARPS_PER_SM = 64
+# The one-tile backward's row loop, software-pipelined (NUM_STAGES=2) from this many columns:
+# Triton then loads the next row block into shared memory (cp.async) while the current one is
+# reduced and stored. Without it each program waits on its own loads every row, and from 8192
+# columns the registers hold one program per SM (offline sm_90 compile, bf16: 94 registers x
+# 16 warps; 64 x 32 warps at 16384), so no other program hides that wait. The staging buffer
+# is one row block of every loaded tensor: pipelined only where it fits next to the kernel's
+# own shared memory (227 KB per program on Hopper).
+BWD_PIPELINE_MIN_COLS = 8192
+BWD_PIPELINE_MAX_BYTES = 192 * 1024
+# Warps of the one-tile LayerNorm forward, at most: at 16384 columns, 32 warps take 46
+# registers each (offline sm_90 compile), so one 1024-thread program fills an SM's 64K
+# registers and its load, reduce and store phases never overlap another row's; 16 warps take 64,
+# and two programs fit. (RMSNorm keeps 32: 32 registers, two programs fit.)
+LAYER_NORM_FWD_MAX_WARPS = 16
 # Programs per SM of the looped forward (0: one program per row), whose second pass re-reads the
 # rows in flight. On an H200 at 1024 x 65536 bf16, 4 per SM was the fastest of 4, 2 and one
 # program per row: fewer rows in flight fit the L2 better but keep fewer loads going.
@@ -95,6 +109,12 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int
         return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
     rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
+
+
+def _bwd_stages(t: _Tile, *loaded: torch.Tensor | None) -> int:
+    """NUM_STAGES of a one-tile backward that loads one row block of each tensor in `loaded`."""
+    staged = t.block_m * t.block_n * sum(x.element_size() for x in loaded if x is not None)
+    return 2 if t.block_n >= BWD_PIPELINE_MIN_COLS and staged <= BWD_PIPELINE_MAX_BYTES else 1
 
 
 def _reduce_partial(partial: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,6 +221,7 @@ def rms_norm_bwd(
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
             n_rows, n_cols, offset, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+            NUM_STAGES=_bwd_stages(t, dy2, x2, gate, du, weight),
         )
     else:
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
@@ -231,6 +252,8 @@ def layer_norm_fwd(
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
+    if t.one_tile and t.num_warps > LAYER_NORM_FWD_MAX_WARPS:
+        t = replace(t, num_warps=LAYER_NORM_FWD_MAX_WARPS)
     runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
@@ -276,7 +299,7 @@ def layer_norm_bwd(
         runtime.launchable(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
             n_rows, n_cols, *strides, **flags,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, NUM_STAGES=_bwd_stages(t, dy2, x2, weight),
         )
     else:
         dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
