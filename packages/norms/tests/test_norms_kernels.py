@@ -160,9 +160,8 @@ def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_float32_wide_rows_match_reference(op, seed):
-    """float32 at 16384 columns: the pipelined backward's staging buffer (one row block of each
-    loaded tensor) is largest here, at or over what shared memory holds, so the launcher must
-    pick a stage count that still launches, per op (3 to 5 tensors loaded)."""
+    """float32 at 16384 columns: the widest rows the one-tile kernels hold in registers, in the
+    widest dtype (the LLM-size test above is bfloat16)."""
     inputs = make_inputs(op, (130, 16384), torch.float32, "cuda", seed)
     check_op(op, inputs, eps=1e-5, seed=seed)
 

@@ -14,9 +14,7 @@ Backward, two kernels per family:
 - `*_bwd_kernel`: a row fits in registers. A persistent grid (a few programs per SM) walks
   row blocks; each program keeps its share of dweight (and dbias) in registers and writes one
   row of a (n_programs, n_cols) float32 buffer of partial sums at the end, which the launcher
-  reduces with one sum: no atomics, and the buffer is small next to the inputs. With
-  NUM_STAGES=2 Triton software-pipelines the row loop: the next block's loads go to shared
-  memory (cp.async) while this block is reduced and stored.
+  reduces with one sum: no atomics, and the buffer is small next to the inputs.
 - `*_bwd_wide_kernel`: a row too long for registers. Each program owns a contiguous block of
   rows. Phase 1 computes each row's reductions (the "dot" terms of the dx formula) into a
   small float32 buffer; phase 2 walks column chunks and, within a chunk, the block's rows, so
@@ -179,12 +177,11 @@ def _rms_norm_bwd_kernel(
     HAS_DU: tl.constexpr,  # add the incoming gradient of u = x + residual to dx
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols
-    NUM_STAGES: tl.constexpr,  # 2: the next row block's loads are staged in shared memory meanwhile
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
@@ -391,13 +388,12 @@ def _layer_norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # as in _rms_norm_bwd_kernel
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
+    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows

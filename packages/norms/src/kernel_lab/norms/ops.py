@@ -40,6 +40,10 @@ FWD_MAX_FUSED_COLS = 16384
 # to save registers): 3 x 16 values per thread at 16384 columns and 32 warps. At 16384 columns
 # this one-tile path beat the wide one in a sweep on an H200 (bf16, 4096 rows).
 BWD_MAX_FUSED_COLS = 16384
+# (Tried and dropped: software-pipelining the one-tile backward's row loop, tl.range with
+# num_stages=2, which stages the next row block in shared memory. On an H200 it was slower for
+# rms_norm and layer_norm at every width from 2048 to 16384 columns, 8192 and 16384 included,
+# where one program per SM was expected to gain most.)
 # Elements one program of a one-tile kernel handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency.
 ROWS_TILE = 4096
@@ -50,20 +54,13 @@ WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
 # Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were slower
 # on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
 BWD_WARPS_PER_SM = 64
-# The one-tile backward's row loop, software-pipelined (NUM_STAGES=2) from this many columns:
-# Triton then loads the next row block into shared memory (cp.async) while the current one is
-# reduced and stored. Without it each program waits on its own loads every row, and from 8192
-# columns the registers hold one program per SM (offline sm_90 compile, bf16: 94 registers x
-# 16 warps; 64 x 32 warps at 16384), so no other program hides that wait. The staging buffer
-# is one row block of every loaded tensor: pipelined only where it fits next to the kernel's
-# own shared memory (227 KB per program on Hopper).
-BWD_PIPELINE_MIN_COLS = 8192
-BWD_PIPELINE_MAX_BYTES = 192 * 1024
-# Warps of the one-tile LayerNorm forward, at most: at 16384 columns, 32 warps take 46
-# registers each (offline sm_90 compile), so one 1024-thread program fills an SM's 64K
-# registers and its load, reduce and store phases never overlap another row's; 16 warps take 64,
-# and two programs fit. (RMSNorm keeps 32: 32 registers, two programs fit.)
-LAYER_NORM_FWD_MAX_WARPS = 16
+# Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
+# 32 warps take 46 registers each (offline sm_90 compile), so one 1024-thread program fills an
+# SM's 64K registers and nothing overlaps its load, reduce and store phases; 8 warps take 128,
+# and two programs fit. In an A/B on an H200 (bf16, 2**26 elements) 8 warps were faster than
+# 16 and 32 at both 16384 and 8192 columns. RMSNorm, with fewer live values (32 registers at
+# 32 warps), keeps the heuristic.
+LAYER_NORM_FWD_MAX_WARPS = 8
 # Programs per SM of the looped forward (0: one program per row), whose second pass re-reads the
 # rows in flight. On an H200 at 1024 x 65536 bf16, 4 per SM was the fastest of 4, 2 and one
 # program per row: fewer rows in flight fit the L2 better but keep fewer loads going.
@@ -109,12 +106,6 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int
         return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
     rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
-
-
-def _bwd_stages(t: _Tile, *loaded: torch.Tensor | None) -> int:
-    """NUM_STAGES of a one-tile backward that loads one row block of each tensor in `loaded`."""
-    staged = t.block_m * t.block_n * sum(x.element_size() for x in loaded if x is not None)
-    return 2 if t.block_n >= BWD_PIPELINE_MIN_COLS and staged <= BWD_PIPELINE_MAX_BYTES else 1
 
 
 def _reduce_partial(partial: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -221,7 +212,6 @@ def rms_norm_bwd(
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
             n_rows, n_cols, offset, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-            NUM_STAGES=_bwd_stages(t, dy2, x2, gate, du, weight),
         )
     else:
         dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
@@ -299,7 +289,7 @@ def layer_norm_bwd(
         runtime.launchable(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
             n_rows, n_cols, *strides, **flags,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, NUM_STAGES=_bwd_stages(t, dy2, x2, weight),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
         dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
