@@ -55,11 +55,11 @@ WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
 # on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
 BWD_WARPS_PER_SM = 64
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
-# 32 warps take 46 registers each (offline sm_90 compile), so one 1024-thread program fills an
-# SM's 64K registers and nothing overlaps its load, reduce and store phases; 8 warps take 128,
-# and two programs fit. In an A/B on an H200 (bf16, 2**26 elements) 8 warps were faster than
-# 16 and 32 at both 16384 and 8192 columns. RMSNorm, with fewer live values (32 registers at
-# 32 warps), keeps the heuristic.
+# 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
+# per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and
+# store phases; 8 warps take 128 registers, and two 256-thread programs fit. In an A/B on an
+# H200 (bf16, 2**26 elements) 8 warps were faster than 16 and 32 at both 16384 and 8192
+# columns. RMSNorm, with fewer live values (32 registers at 32 warps), keeps the heuristic.
 LAYER_NORM_FWD_MAX_WARPS = 8
 # Programs per SM of the looped forward (0: one program per row), whose second pass re-reads the
 # rows in flight. On an H200 at 1024 x 65536 bf16, 4 per SM was the fastest of 4, 2 and one
