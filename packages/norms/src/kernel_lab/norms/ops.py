@@ -15,7 +15,7 @@ backward launcher (flags select residual and gate), LayerNorm has its own pair.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.library import triton_op
@@ -242,13 +242,12 @@ def layer_norm_fwd(
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
     t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    if t.one_tile and t.num_warps > LAYER_NORM_FWD_MAX_WARPS:
-        t = replace(t, num_warps=LAYER_NORM_FWD_MAX_WARPS)
+    num_warps = min(t.num_warps, LAYER_NORM_FWD_MAX_WARPS) if t.one_tile else t.num_warps
     runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=num_warps,
     )
     return y, mean, rstd
 
