@@ -29,6 +29,7 @@ def small_blocks(monkeypatch):
     def shrink(max_fused: int, loop_block: int) -> None:
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
+        monkeypatch.setattr(ops, "LAYER_NORM_BWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "LOOP_BLOCK_N", loop_block)
         monkeypatch.setattr(ops, "LOOP_NUM_WARPS", 2)
         monkeypatch.setattr(ops, "WIDE_BLOCK_N", loop_block)

@@ -40,6 +40,9 @@ FWD_MAX_FUSED_COLS = 16384
 # to save registers): 3 x 16 values per thread at 16384 columns and 32 warps. At 16384 columns
 # this one-tile path beat the wide one in a sweep on an H200 (bf16, 4096 rows).
 BWD_MAX_FUSED_COLS = 16384
+# LayerNorm's one-tile backward also holds the mean and both weight-gradient accumulators: past
+# 8192 columns the wide kernel was faster on an H200 (bf16, 4096 x 16384), RMSNorm's was not.
+LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
 # (Tried and dropped: software-pipelining the one-tile backward's row loop, tl.range with
 # num_stages=2, which stages the next row block in shared memory. On an H200 it was slower for
 # rms_norm and layer_norm at every width from 2048 to 16384 columns, 8192 and 16384 included,
@@ -54,6 +57,10 @@ WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
 # Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were slower
 # on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
 BWD_WARPS_PER_SM = 64
+# ... except for rows of LONG_ROW_COLS or more, whose programs hold so many values a thread that
+# fewer of them fit: there 32 warps per SM were faster for both norms on an H200 (bf16, 8192 and
+# 16384 columns), 64 leaving the extra programs to run as a second, partly idle wave.
+LONG_ROW_COLS, LONG_ROW_BWD_WARPS_PER_SM = 8192, 32
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
 # per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and
@@ -98,12 +105,13 @@ def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
 
 def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int]:
     """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid, at most
-    BWD_WARPS_PER_SM warps per SM, striding over BLOCK_M-row blocks (rows_per_program is 0,
-    unused). Wide: WIDE_PROGRAMS_PER_SM programs per SM, each owning rows_per_program
+    BWD_WARPS_PER_SM warps per SM (LONG_ROW_BWD_WARPS_PER_SM for long rows), striding over
+    BLOCK_M-row blocks (rows_per_program is 0, unused). Wide: WIDE_PROGRAMS_PER_SM programs per SM, each owning rows_per_program
     contiguous rows (the last program fewer)."""
     sms = runtime.sm_count(device)
     if t.one_tile:
-        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
+        warps_per_sm = LONG_ROW_BWD_WARPS_PER_SM if t.block_n >= LONG_ROW_COLS else BWD_WARPS_PER_SM
+        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, warps_per_sm // t.num_warps)), 0
     rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
 
@@ -280,7 +288,7 @@ def layer_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
-    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
+    t = _tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, backward=True)
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
