@@ -4,7 +4,8 @@ Every kernel here is element-wise (plus one column reduction for the bias gradie
 is bound by memory traffic: the only goal is to read every input once and write every output
 once, in wide vector accesses. One program covers a BLOCK_M x BLOCK_N tile; row offsets are
 64-bit so tensors beyond 2**31 elements cannot wrap. Rows have their own stride per tensor,
-which is how padded rows and the two halves of a packed [gate | up] tensor are read in place.
+which is how padded rows and the two halves of a packed [gate | up] tensor are read in place;
+contiguous tensors come as one row of numel elements (the launcher's flat tiles).
 
 Math is float32 whatever the storage dtype, with a single rounding on the store.
 
@@ -122,9 +123,11 @@ def _activation_and_grad(x, ACTIVATION: tl.constexpr, FLOAT32_OUT: tl.constexpr)
 
 @triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row indices (int64), column indices and the in-bounds mask of this program's tile."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Row indices (int64), column indices and the in-bounds mask of this program's tile, on a
+    1-D grid over the tiles in row-major order (one grid axis: no 65535 limit on either count)."""
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    rows = (tl.program_id(0) // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tl.program_id(0) % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     return rows, cols, mask
 

@@ -36,29 +36,44 @@ from ._kernels import (
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = {"silu": SILU.value, "gelu": GELU.value, "gelu_tanh": GELU_TANH.value}
 
-# Elements per program tile: 2048 over 4 warps is 16 per thread per tensor (two 16-byte loads
-# of bf16). In a tile sweep on H200 (bf16 swiglu, 4096-16384 rows x 11008-14336 cols, 2048 to
-# 16384 elements, 4 to 16 warps) it was among the fastest forward and backward; the largest
-# tiles were clearly slower.
+# Tiles. Each kernel streams its tensors once, so what sets its speed is how many bytes each
+# program keeps in flight and how little of each tile is masked off. The settings below are the
+# fastest of tile sweeps on an H200 (bf16, 4096-16384 rows x 11008-18944 columns).
+#
+# Row-structured (2-D) tiles: 2048 elements over 4 warps, 16 per thread per tensor (two 16-byte
+# loads of bf16); the largest tiles were clearly slower.
 TILE_ELEMENTS = 2048
 NUM_WARPS = 4
-# Widest column block: 1024 bf16 columns are 2 KiB per row, long enough for full 128-byte
-# transactions; wider blocks only lengthen the masked tail of non-power-of-two widths.
-MAX_BLOCK_N = 1024
+# BLOCK_N is the power of two from MIN_BLOCK_N to MAX_BLOCK_N that pads a row least: 11008
+# columns are 43 x 256, 18944 are 37 x 512, where 1024-wide blocks would mask off 2-3% of every
+# tile. 256 bf16 columns (512 bytes) still make full 128-byte transactions.
+MIN_BLOCK_N, MAX_BLOCK_N = 256, 1024
+# Contiguous gate, up and outputs are one flat array: 1-D blocks of FLAT_BLOCK elements (8 warps,
+# 16 per thread), no row structure and no padding. Faster than any 2-D tile, forward and
+# backward, and level with Liger's one-row-per-program swiglu forward at 14336 and 11008 columns.
+FLAT_BLOCK, FLAT_NUM_WARPS = 4096, 8
+# bias_gelu forward: 4096 elements over 4 warps, 32 per thread (four loads in flight per
+# thread). Its exact GELU is long enough that more bytes in flight per thread pay off.
+BIAS_GELU_TILE_ELEMENTS = 4096
 # bias_gelu backward loops over rows and keeps a float32 column sum live: a few rows per step
-# (4096 elements) so that each loop step still has several loads in flight per thread.
-BIAS_GRAD_TILE_ELEMENTS = 4096
-# bias_gelu backward: programs per SM the column-sum split aims for. Each program streams a
-# chunk of rows, so a few resident programs per SM keep enough loads in flight.
-BIAS_GRAD_PROGRAMS_PER_SM = 4
+# (2048 elements) ...
+BIAS_GRAD_TILE_ELEMENTS = 2048
+# ... and BIAS_GRAD_PROGRAMS_PER_SM programs per SM, each streaming a chunk of rows: 8 small
+# programs per SM kept more loads in flight than 2 or 4 larger ones.
+BIAS_GRAD_PROGRAMS_PER_SM = 8
 
 
 def _blocks(n_rows: int, n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of a tile of about `tile_elements`: as many columns as MAX_BLOCK_N
-    allows, then the rows that fill the tile (no more than there are). The kernels run
-    NUM_WARPS warps whatever the tile, so the heuristic's warp count is not used."""
-    block_m, block_n, _ = runtime.row_tile(n_rows, n_cols, tile_elements, MAX_BLOCK_N)
-    return block_m, block_n
+    """(BLOCK_M, BLOCK_N) of a 2-D tile of about `tile_elements`: the BLOCK_N that pads the
+    row least (the widest of equals), then the rows that fill the tile (no more than there are)."""
+    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
+    padded = runtime.cdiv(n_cols, block_n) * block_n
+    narrower = block_n // 2
+    while narrower >= MIN_BLOCK_N:
+        if runtime.cdiv(n_cols, narrower) * narrower < padded:
+            block_n, padded = narrower, runtime.cdiv(n_cols, narrower) * narrower
+        narrower //= 2
+    return max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows))), block_n
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,24 +96,42 @@ def _reference_gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
 # Launchers. They assume checked inputs (see the public ops below).
 
 
-def _launch_tiles(kernel, args: tuple, n_rows: int, n_cols: int, activation: str, traced: bool) -> None:
-    """Launch an element-wise kernel over (n_rows, n_cols), one program per BLOCK_M x BLOCK_N
-    tile. args: the kernel's arguments before its constexprs (pointers, sizes, row strides)."""
+def _launch_tiles(
+    kernel, args: tuple, n_rows: int, n_cols: int, activation: str, traced: bool,
+    tile_elements: int = TILE_ELEMENTS, flat: bool = False,
+) -> None:  # fmt: skip
+    """Launch an element-wise kernel over (n_rows, n_cols) on a 1-D grid of BLOCK_M x BLOCK_N
+    tiles. args: the kernel's arguments before its constexprs (pointers, sizes, row strides).
+    flat: the caller passed a (1, numel) view of contiguous tensors; FLAT_BLOCK tiles."""
     if n_rows * n_cols == 0:
         return
-    block_m, block_n = _blocks(n_rows, n_cols)
-    grid = (runtime.cdiv(n_rows, block_m), runtime.cdiv(n_cols, block_n))
+    if flat:
+        block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_NUM_WARPS
+    else:
+        (block_m, block_n), num_warps = _blocks(n_rows, n_cols, tile_elements), NUM_WARPS
+    grid = (runtime.cdiv(n_rows, block_m) * runtime.cdiv(n_cols, block_n),)
     runtime.launchable(kernel, traced)[grid](
-        *args, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS
+        *args, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
     )
+
+
+def _flat(*tensors: torch.Tensor) -> bool:
+    """Whether (rows, cols) views are all contiguous, so the kernels may treat them as one row
+    of numel elements (the kernels' column indices are int32, so the last tile must end below
+    2**31)."""
+    n_rows, n_cols = tensors[0].shape
+    return n_rows * n_cols + FLAT_BLOCK < 2**31 and all(t.stride(0) == n_cols for t in tensors)
 
 
 def _launch_gated_fwd(
     g2: torch.Tensor, u2: torch.Tensor, out2: torch.Tensor, activation: str, traced: bool = False
 ) -> None:
     n_rows, n_cols = out2.shape
+    flat = _flat(g2, u2, out2)
+    if flat:
+        n_rows, n_cols = 1, n_rows * n_cols
     args = (g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0))
-    _launch_tiles(_gated_fwd_kernel, args, n_rows, n_cols, activation, traced)
+    _launch_tiles(_gated_fwd_kernel, args, n_rows, n_cols, activation, traced, flat=flat)
 
 
 def _launch_gated_bwd(
@@ -111,11 +144,14 @@ def _launch_gated_bwd(
     traced: bool = False,
 ) -> None:
     n_rows, n_cols = dy2.shape
+    flat = _flat(g2, u2, dy2, dg2, du2)
+    if flat:
+        n_rows, n_cols = 1, n_rows * n_cols
     args = (
         g2, u2, dy2, dg2, du2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
     )  # fmt: skip
-    _launch_tiles(_gated_bwd_kernel, args, n_rows, n_cols, activation, traced)
+    _launch_tiles(_gated_bwd_kernel, args, n_rows, n_cols, activation, traced, flat=flat)
 
 
 def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, traced: bool = False) -> torch.Tensor:
@@ -170,7 +206,7 @@ def _launch_bias_gelu_fwd(
 ) -> None:
     n_rows, n_cols = out2.shape
     args = (x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0))
-    _launch_tiles(_bias_gelu_fwd_kernel, args, n_rows, n_cols, activation, traced)
+    _launch_tiles(_bias_gelu_fwd_kernel, args, n_rows, n_cols, activation, traced, BIAS_GELU_TILE_ELEMENTS)
 
 
 def _launch_bias_gelu_bwd(

@@ -106,8 +106,8 @@ def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
 def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int]:
     """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid, at most
     BWD_WARPS_PER_SM warps per SM (LONG_ROW_BWD_WARPS_PER_SM for long rows), striding over
-    BLOCK_M-row blocks (rows_per_program is 0, unused). Wide: WIDE_PROGRAMS_PER_SM programs per SM, each owning rows_per_program
-    contiguous rows (the last program fewer)."""
+    BLOCK_M-row blocks (rows_per_program is 0, unused). Wide: WIDE_PROGRAMS_PER_SM programs per
+    SM, each owning rows_per_program contiguous rows (the last program fewer)."""
     sms = runtime.sm_count(device)
     if t.one_tile:
         warps_per_sm = LONG_ROW_BWD_WARPS_PER_SM if t.block_n >= LONG_ROW_COLS else BWD_WARPS_PER_SM
