@@ -75,7 +75,7 @@ def _check_fwd_bwd(gate, up, layout, act, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "packed"])
-# (3, 1500): flat, two FLAT_BLOCK tiles; row-structured, three 512-column blocks
+# (3, 1500): flat, two FLAT_BLOCK tiles; row-structured, two column blocks
 @pytest.mark.parametrize("shape", [(3, 7, 33), (3, 1500)], ids=["odd", "several-blocks"])
 def test_gated_forward_backward_match_reference(kernel_device, seed, dtype, act, layout, shape):
     gate = randn(*shape, dtype=dtype, device=kernel_device, seed=seed, scale=3.0)
@@ -84,15 +84,6 @@ def test_gated_forward_backward_match_reference(kernel_device, seed, dtype, act,
 
 
 @pytest.mark.interpret
-def test_tile_width_pads_rows_least():
-    """_blocks takes the power-of-two width that masks off least of each row (widest of equals)."""
-    assert ops._blocks(16384, 14336) == (2, 1024)  # 14 x 1024: no padding at full width
-    assert ops._blocks(16384, 11008) == (8, 256)  # 43 x 256; 1024 would pad to 11264
-    assert ops._blocks(8192, 18944) == (4, 512)  # 37 x 512
-    assert ops._blocks(3, 1500) == (4, 512)  # 1536 columns padded, 2048 at 1024
-    assert ops._blocks(5, 7) == (8, 8)  # narrow rows: one block, rows fill the tile
-
-
 @pytest.mark.parametrize("act", list(ACTS))
 def test_gated_single_element_and_many_row_blocks(kernel_device, seed, act):
     for shape in [(1,), (300, 5)]:  # one element; rows spanning several BLOCK_M tiles

@@ -44,10 +44,10 @@ ACTIVATIONS = {"silu": SILU.value, "gelu": GELU.value, "gelu_tanh": GELU_TANH.va
 # loads of bf16); the largest tiles were clearly slower.
 TILE_ELEMENTS = 2048
 NUM_WARPS = 4
-# BLOCK_N is the power of two from MIN_BLOCK_N to MAX_BLOCK_N that pads a row least: 11008
-# columns are 43 x 256, 18944 are 37 x 512, where 1024-wide blocks would mask off 2-3% of every
-# tile. 256 bf16 columns (512 bytes) still make full 128-byte transactions.
-MIN_BLOCK_N, MAX_BLOCK_N = 256, 1024
+# Widest column block: 1024 bf16 columns are 2 KiB per row, long enough for full 128-byte
+# transactions. (Narrower blocks that pad rows less, 256 columns at 11008 and 512 at 18944, were
+# slower on an H200, the bias-gradient backward by 2-3x: a program then streams narrow strips.)
+MAX_BLOCK_N = 1024
 # Contiguous gate, up and outputs are one flat array: 1-D blocks of FLAT_BLOCK elements (8 warps,
 # 16 per thread), no row structure and no padding. Faster than any 2-D tile, forward and
 # backward, and level with Liger's one-row-per-program swiglu forward at 14336 and 11008 columns.
@@ -64,16 +64,11 @@ BIAS_GRAD_PROGRAMS_PER_SM = 8
 
 
 def _blocks(n_rows: int, n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of a 2-D tile of about `tile_elements`: the BLOCK_N that pads the
-    row least (the widest of equals), then the rows that fill the tile (no more than there are)."""
-    block_n = min(runtime.next_power_of_2(n_cols), MAX_BLOCK_N)
-    padded = runtime.cdiv(n_cols, block_n) * block_n
-    narrower = block_n // 2
-    while narrower >= MIN_BLOCK_N:
-        if runtime.cdiv(n_cols, narrower) * narrower < padded:
-            block_n, padded = narrower, runtime.cdiv(n_cols, narrower) * narrower
-        narrower //= 2
-    return max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows))), block_n
+    """(BLOCK_M, BLOCK_N) of a 2-D tile of about `tile_elements`: as many columns as MAX_BLOCK_N
+    allows, then the rows that fill the tile (no more than there are). The kernels run
+    NUM_WARPS warps whatever the tile, so the heuristic's warp count is not used."""
+    block_m, block_n, _ = runtime.row_tile(n_rows, n_cols, tile_elements, MAX_BLOCK_N)
+    return block_m, block_n
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
