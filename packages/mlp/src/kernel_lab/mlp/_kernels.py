@@ -225,6 +225,7 @@ def _bias_gelu_bwd_kernel(
     ACTIVATION: tl.constexpr,  # GELU or GELU_TANH
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the row loop
 ):
     """dx = dy * gelu'(x + bias) and this chunk's column sums of dx.
 
@@ -238,7 +239,7 @@ def _bias_gelu_bwd_kernel(
     col_mask = cols < N
     b = tl.load(bias_ptr + cols, mask=col_mask).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for off in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+    for off in tl.range(0, ROWS_PER_PROGRAM, BLOCK_M, num_stages=STAGES):
         rows = row_start + off + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask).to(tl.float32)
