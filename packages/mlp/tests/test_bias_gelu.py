@@ -66,6 +66,20 @@ def test_exact_gelu_kernels_keep_relative_accuracy_down_the_left_tail(kernel_dev
 
 
 @pytest.mark.interpret
+def test_exact_gelu_float16_output_is_within_one_ulp_of_correct_rounding(kernel_device):
+    """16-bit outputs use the cheaper ERFC16_P fit (Phi's relative error below 2e-5): on a dense
+    grid every float16 result is the correctly rounded float64 GELU or its neighbour, as
+    correct float32 math then one rounding gives. float16, not bfloat16: the interpreter
+    truncates float32 -> bfloat16 instead of rounding."""
+    x = torch.linspace(-8.0, 8.0, 8192, device=kernel_device).to(torch.float16).reshape(64, 128)
+    y = mlp.bias_gelu(x, torch.zeros(128, dtype=torch.float16, device=kernel_device)).double()
+    rounded = reference.gelu(x).to(torch.float16).double()  # float64 GELU, correctly rounded
+    ulp = (rounded.abs() * 2.0**-10).clamp(min=2.0**-24)  # float16 spacing (2**-24: subnormals)
+    off = ((y - rounded).abs() / ulp).max().item()
+    assert off <= 1.0, f"float16 bias_gelu is {off:.2f} ulp from the correctly rounded GELU"
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("approximate", APPROX)
 def test_bias_gelu_strided_rows_match_reference(kernel_device, seed, approximate):
     x = strided_rows(randn(23, 70, device=kernel_device, seed=seed, scale=2.0), pad=6)

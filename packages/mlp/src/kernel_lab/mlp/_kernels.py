@@ -20,7 +20,6 @@ SILU: tl.constexpr = tl.constexpr(0)
 GELU: tl.constexpr = tl.constexpr(1)
 GELU_TANH: tl.constexpr = tl.constexpr(2)
 
-RSQRT_2: tl.constexpr = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 RSQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi), the normal density's scale
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 TANH_COEF: tl.constexpr = tl.constexpr(0.044715)
@@ -31,17 +30,22 @@ HALF_LOG2E: tl.constexpr = tl.constexpr(0.7213475204444817)  # log2(e) / 2
 # error below 1.2e-7 for every z >= 0.
 ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
           0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)  # fmt: skip
-# The kernels use Q = P * log2(e) - 1, so that t * exp2(Q(t) - z^2 log2(e)) is erfc(z) / 2,
-# the normal tail, with no multiply around the exp2. One tuple, not ten globals: each launch
-# checks every constexpr global its kernel reads for changes, about a microsecond of host
-# time apiece.
-ERFC_Q = tl.constexpr(tuple(c * 1.4426950408889634 - (1.0 if i == 0 else 0.0) for i, c in enumerate(ERFC_P)))
-# The same form with a degree-5 P, for results stored in 16 bits: fitted here (minimax over
-# t in [0.17, 1], i.e. every z whose tail is a normal float32) to an error below 7.7e-6 in
-# P, so Phi's relative error is below 2e-5 in float32 arithmetic, 1/25 of float16's half ulp
-# and 1/100 of bfloat16's. Four FMAs fewer per element than ERFC_P.
+# The same form with a degree-5 P, for results stored in 16 bits: a minimax fit (numpy, for
+# this package) over t in [0.17, 1], i.e. every z whose tail is a normal float32, with an error
+# below 7.7e-6 in P, so Phi's relative error is below 2e-5 in float32 arithmetic, 1/25 of
+# float16's half ulp and 1/100 of bfloat16's. Four FMAs fewer per element than ERFC_P.
 ERFC16_P = (-1.26654174, 1.01801332, 0.25444411, 0.47449145, -0.70918931, 0.22878978)
-ERFC16_Q = tl.constexpr(tuple(c * 1.4426950408889634 - (1.0 if i == 0 else 0.0) for i, c in enumerate(ERFC16_P)))
+
+
+def _tail_form(p: tuple) -> tl.constexpr:
+    """Q = P * log2(e) - 1, so that t * exp2(Q(t) - z^2 log2(e)) is erfc(z) / 2, the normal
+    tail, with no multiply around the exp2. One tuple constexpr, not one global per coefficient:
+    each launch checks every constexpr global its kernel reads for changes, about a microsecond
+    of host time apiece."""
+    return tl.constexpr(tuple(c * 1.4426950408889634 - (1.0 if i == 0 else 0.0) for i, c in enumerate(p)))
+
+
+ERFC_Q, ERFC16_Q = _tail_form(ERFC_P), _tail_form(ERFC16_P)
 
 
 @triton.jit
