@@ -56,7 +56,8 @@ def test_decode_kernels_compile_for_sm90(q_dtype, cache_dtype, paged, split, blo
             "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "qk_scale": "fp32"}
     kernel = _compile(_kernels._decode_split_kernel, ptrs, {
         "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "PAGED": paged, "PAGE_SIZE": 16,
-        "HAS_SEQ_IDS": False, "QUANT": cache_dtype == "fp8e4nv", "SPLIT": split,
+        "HAS_SEQ_IDS": False, "QUANT": cache_dtype == "fp8e4nv",
+        "FP16_MMA": cache_dtype == "fp8e4nv" and q_dtype == "bf16", "SPLIT": split,
         "DOT_PRECISION": "ieee" if q_dtype == "fp32" else "tf32",
     }, num_stages=num_stages)
     assert "cubin" in kernel.asm
@@ -64,3 +65,24 @@ def test_decode_kernels_compile_for_sm90(q_dtype, cache_dtype, paged, split, blo
                      {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": f"*{q_dtype}"},
                      {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 64})
     assert "cubin" in merge.asm
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_decode_converts_whole_registers_not_bytes(paged):
+    """Over an fp8 cache with a bfloat16 q, the decode loop converts e4m3 to float16 two values
+    per instruction and reads shared memory in wide words: no per-value float16 -> bfloat16
+    conversion (F2F.BF16.F16) and no byte-by-byte gathers (LDS.U8), which the plain cast
+    produced and which bounded that loop on an H200 (see _e4m3_to_float16_in_registers)."""
+    ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "lengths_ptr": "*i32",
+            "seq_ids_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "qk_scale": "fp32"}
+    kernel = _compile(_kernels._decode_split_kernel, ptrs, {
+        "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "PAGED": paged, "PAGE_SIZE": 16,
+        "HAS_SEQ_IDS": False, "QUANT": True, "FP16_MMA": True, "SPLIT": True, "DOT_PRECISION": "tf32",
+        # unit strides along the head dim, as every cache and q the launcher sees
+        "stride_kd": 1, "stride_qd": 1, "stride_od": 1,
+    }, num_stages=3)
+    ops = [i.split()[0] for i in testing.sass_instructions(kernel)]
+    assert "F2FP.F16.E4M3.UNPACK_B" in ops
+    assert "F2F.BF16.F16" not in ops
+    assert "LDS.U8" not in ops

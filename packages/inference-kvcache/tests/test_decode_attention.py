@@ -86,6 +86,23 @@ def test_decode_fp8_cache_matches_dequantized_reference(kvh, kernel_device, seed
 
 
 @pytest.mark.interpret
+def test_decode_fp8_cache_bfloat16_query_of_any_magnitude(kvh, kernel_device, seed, cache_kind):
+    """A bfloat16 q over an fp8 cache runs a float16 MMA, each q row scaled by a power of two
+    first (FP16_MMA in the kernel): rows far above float16's range (65504), far below its
+    normal range, zero and ordinary still give the reference result. (This path needs no
+    bfloat16 tl.dot, so the interpreter checks it too.)"""
+    lengths = [45, 3]
+    cache = kvh.make_cache(cache_kind, batch=2, max_len=45, h_kv=2, d=32, dtype=torch.float8_e4m3fn,
+                           device=kernel_device)
+    kvh.fill(cache, 0, lengths, dtype=torch.bfloat16, seed=seed, prefill=45)
+    row_scale = torch.tensor([1e6, 1.0, 3e-6, 0.0, 7e4, 1e-30, 2.0, 5e4], device=kernel_device)
+    q = (randn(2, 8, 32, dtype=torch.float32, seed=seed + 5, device=kernel_device) * row_scale[:, None])
+    q = q.to(torch.bfloat16)
+    for splits in (1, 2):
+        kvh.check_decode(decode_attention(q, cache, 0, num_splits=splits), q, cache, 0)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("d", [40, 64, 128])
 def test_decode_head_dims_and_strided_query(kvh, kernel_device, seed, d):
     lengths = [19, 33]

@@ -20,6 +20,7 @@ from kernel_lab.shared.reference.kvcache import FP8_E4M3_MAX
 # to it instead of producing NaN. A kernel may only read globals that are tl.constexpr, hence
 # the second name.
 _FP8_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+_INTERPRET = tl.constexpr(runtime.interpret_mode())
 
 
 @triton.jit
@@ -104,6 +105,71 @@ def _kv_append_kernel(
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _e4m3_to_float16_in_registers(x):
+    """float8 e4m3 values -> float16 (exact), converted where x was loaded, 4 per instruction pair.
+
+    V is the B operand of P.V, contracted over its tokens, which are its strided dimension:
+    the MMA wants two consecutive tokens per register, and only 16-bit data has a transposing
+    shared-memory load. Given `x.to(tl.float16)`, Triton moves the conversion after the
+    shared-memory read of the fp8 tile and gathers it byte by byte (an LDS.U8 per value).
+    An opaque conversion (is_pure=False: it must stay where it is written) makes it convert
+    in registers, store float16 and read that back transposed with ldmatrix, about a third
+    fewer instructions per key step (tests/test_compile_sm90.py checks that no byte gathers
+    are left). The interpreter cannot run PTX and takes the plain cast.
+    """
+    if _INTERPRET:
+        return x.to(tl.float16)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+    )
+
+
+@triton.jit
+def _decode_tile(
+    q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
+    row_scale, m_i, l_i, acc, mask_d,
+    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-key step of the online softmax: keys n0 .. n0 + BLOCK_N of cache row `row`.
+
+    q: (BLOCK_M, BLOCK_D) in the MMA dtype; m_i, l_i: (BLOCK_M,) running max (log2 units) and
+    sum; acc: (BLOCK_M, BLOCK_D) float32. MASKED: drop keys at or past `end` and keys after
+    each query's `last_pos`; unmasked steps must lie wholly inside both.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < end
+    else:
+        mask_n = tl.full([BLOCK_N], True, tl.int1)
+    if PAGED:
+        blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        tok = blk.to(tl.int64) * stride_kblk + (offs_n % PAGE_SIZE) * stride_kt
+    else:
+        tok = row * stride_kblk + offs_n.to(tl.int64) * stride_kt
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0)
+    if v.dtype == tl.float8e4nv and q.dtype == tl.float16:
+        v = _e4m3_to_float16_in_registers(v)
+    else:
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
+    if MASKED:
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= last_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0,
+    # not NaN from (-inf) - (-inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 def _decode_configs():
     # Under the interpreter every config would run at every call: keep one.
     if runtime.interpret_mode():
@@ -138,7 +204,7 @@ def _decode_split_kernel(
     len_bucket, work_bucket,  # autotune keys only: log2 of the split length and of the programs
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, FP16_MMA: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program (b, kv head, m tile) x split. The M rows of the tile are the GROUP query heads
     # that share this kv head times the T_q query tokens, so every K/V tile is read once per
@@ -177,33 +243,40 @@ def _decode_split_kernel(
         # Per-head dequantization folds into the scalars: s = (q . k8) * k_scale * scale and
         # o = (p . v8) * v_scale, so the fp8 tiles are only converted, never multiplied.
         scale = scale * tl.load(k_scale_ptr + kvh)
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * scale
+    if FP16_MMA:
+        # A bfloat16 q over an fp8 cache: the tiles go to a float16 MMA, because e4m3 ->
+        # float16 is one exact conversion per two values while e4m3 -> bfloat16 costs another
+        # per value, and those conversions, not the bytes, bounded this loop. q is scaled per
+        # row by a power of two so its largest |q| lands in [2^14, 2^15): exact (float16 keeps
+        # 11 significant bits, bfloat16 8) and never overflows; entries below 2^-38 of the
+        # row's largest lose bits, far under bfloat16's own rounding of that largest term.
+        q32 = q.to(tl.float32)
+        amax = tl.max(tl.abs(q32), 1)
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(14 - exponent, -100), 100)
+        q = (q32 * ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        row_scale = row_scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_head = kvh * stride_kh + offs_d[None, :] * stride_kd
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        if PAGED:
-            blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            tok = blk.to(tl.int64) * stride_kblk + (offs_n % PAGE_SIZE) * stride_kt
-        else:
-            tok = row * stride_kblk + offs_n.to(tl.int64) * stride_kt
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= last_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0,
-        # not NaN from (-inf) - (-inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Tiles wholly inside [start, end) and visible to every query of the tile (for T_q = 1,
+    # all but the last) run without the key masks; the rest, at most a few, with them.
+    full_end = start + tl.maximum(tl.minimum(end, length - T_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(
+            q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
+            row_scale, m_i, l_i, acc, mask_d,
+            MASKED=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(
+            q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
+            row_scale, m_i, l_i, acc, mask_d,
+            MASKED=True, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
 
     # A query with no key (empty sequence or split) returns 0 and has lse = -inf.
     has_keys = l_i > 0

@@ -92,6 +92,13 @@ def _check_scales(k_cache, k_scale, v_scale) -> None:
                     f"{name} must be float32 of shape ({h_kv},) on {k_cache.device}, got {s.dtype} "
                     f"{tuple(s.shape)} on {s.device}"
                 )
+        # The kernels convert e4m3 with the fp8 instructions of Ada/Hopper and newer.
+        info = runtime.device_info(k_cache.device.index) if k_cache.is_cuda else None
+        if info is not None and info.capability < (8, 9):
+            raise RuntimeError(
+                f"float8_e4m3fn caches need a GPU of compute capability 8.9 or newer, {info.name} is "
+                f"{info.capability[0]}.{info.capability[1]}"
+            )
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale/v_scale apply to float8_e4m3fn caches only, the cache is {k_cache.dtype}")
 
@@ -469,7 +476,7 @@ class _DecodePlan:
             "len_bucket": len_bucket, "work_bucket": work_bucket,
             "HEAD_DIM": d, "BLOCK_D": max(MIN_DOT_DIM, runtime.next_power_of_2(d)), "BLOCK_M": block_m,
             "PAGED": c.paged, "PAGE_SIZE": c.page_size, "HAS_SEQ_IDS": has_seq_ids,
-            "QUANT": c.quant, "SPLIT": self.split,
+            "QUANT": c.quant, "FP16_MMA": c.quant and dtype == torch.bfloat16, "SPLIT": self.split,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         }
         self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": runtime.next_power_of_2(d),
