@@ -179,3 +179,27 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     assert launches(q, seq_ids=[2, 1, 0])[0][0] == "direct"
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
     assert [x[0] for x in launches(q)] == ["jit", "jit"]
+
+
+@pytest.mark.gpu
+def test_the_split_count_is_measured_once_per_shape(kvh, seed, monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(kv_ops, "_MEASURED_SPLITS", {})
+    timed = []
+    do_bench = triton.testing.do_bench
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timed.append(fn) or do_bench(fn, **kw))
+    cache = kvh.make_cache("contiguous", batch=1, max_len=32768, h_kv=8, d=128, dtype=torch.float8_e4m3fn,
+                           device="cuda")
+    kvh.fill(cache, 0, [32768], dtype=torch.bfloat16, seed=seed, prefill=32768)
+    q = randn(1, 32, 128, dtype=torch.bfloat16, seed=seed + 1, device="cuda")
+    out = decode_attention(q, cache, 0)
+    kvh.check_decode(out, q, cache, 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    candidates = {kv_ops._num_splits(1, 8, 1, 32768, sms, p) for p in (kv_ops.SPLIT_PROGRAMS_PER_SM,
+                                                                        *kv_ops.SPLIT_WAVE_CANDIDATES)}
+    assert len(timed) == len(candidates) > 1
+    (chosen,) = kv_ops._MEASURED_SPLITS.values()
+    assert chosen in candidates
+    assert torch.equal(decode_attention(q, cache, 0), decode_attention(q, cache, 0, num_splits=chosen))
+    assert len(timed) == len(candidates)  # measured once

@@ -39,6 +39,10 @@ MAX_BLOCK_M = 64
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
+# Programs per SM of the split counts measured on a CUDA device's first decode of a shape
+# (see _measured_num_splits): whole waves of the configs' residency (2 to 4 programs fit an
+# SM) and two waves of 4.
+SPLIT_WAVE_CANDIDATES = (2, 3, 4, 8)
 
 LOG2E = 1.4426950408889634
 
@@ -210,7 +214,9 @@ def kv_append_fwd(
 
 
 def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
-    """Split-K factor: enough programs to fill the GPU, each split at least MIN_SPLIT_LEN keys.
+    """Default split-K factor: enough programs to fill the GPU, each split at least
+    MIN_SPLIT_LEN keys. (On CUDA the first decode of a shape measures this and a few
+    neighbours that fill whole waves, and keeps the fastest: `_measured_num_splits`.)
 
     E.g. B=1, 8 kv heads on 132 SMs: 8 programs without splitting would leave 124 SMs idle,
     so a 128k context is cut into 66 splits (528 programs); B=64 already has 512 programs at
@@ -219,11 +225,48 @@ def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: to
     return _num_splits(batch, h_kv, m_tiles, max_len, runtime.sm_count(device))
 
 
-def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int) -> int:
+def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int,
+                programs_per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
     programs = max(1, batch * h_kv * m_tiles)
-    by_occupancy = (SPLIT_PROGRAMS_PER_SM * sm_count) // programs
+    by_occupancy = (programs_per_sm * sm_count) // programs
     by_length = max_len // MIN_SPLIT_LEN
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+# Split counts chosen by measurement, by everything the fastest one depends on.
+_MEASURED_SPLITS: dict[tuple, int] = {}
+
+
+def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int, max_len: int) -> int:
+    """The fastest split count for this decode, measured once per shape on its first call.
+
+    A split program's time is nearly fixed, so a decode takes as many program times as it
+    has waves: 528 programs where 3 fit an SM of 132 (396 at once) take two, 392 take one. How
+    many fit depends on the tile config (its shared memory and registers), which the
+    autotuner picks per split count, and an fp8 cache's decode is bound by the SMs, not
+    DRAM, so the fraction of a wave shows. On an H200 at B=1, 128k fp8 keys: 49 splits (one
+    wave of 3 per SM) decoded in 0.92x the time of 66 (four per SM, the default). Each
+    candidate (whole waves of SPLIT_WAVE_CANDIDATES programs per SM) is autotuned as usual
+    and timed with triton.testing.do_bench; the first call of a shape thus takes seconds.
+    Off CUDA, under the interpreter, while a CUDA graph is captured, while torch.compile
+    traces, or with KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan (_num_splits) is used.
+    """
+    key = (q.shape, q.dtype, c.dtype, c.h_kv, c.paged, c.page_size, seq_ids is not None, max_len, c.device)
+    chosen = _MEASURED_SPLITS.get(key)
+    if chosen is not None:
+        return chosen
+    bsz, sms = q.shape[0], c.sm_count()
+    default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+    if (not c.is_cuda or runtime.interpret_mode() or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing() or os.environ.get("KERNEL_LAB_KVCACHE_AUTOTUNE", "1") == "0"):
+        return default
+    candidates = {default, *(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p) for p in SPLIT_WAVE_CANDIDATES)}
+    from triton.testing import do_bench
+
+    times = {s: do_bench(lambda s=s: _decode_launch(q, c, seq_ids, scale, s), warmup=5, rep=20)
+             for s in sorted(candidates)} if len(candidates) > 1 else {default: 0.0}
+    chosen = _MEASURED_SPLITS[key] = min(times, key=times.get)
+    return chosen
 
 
 def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
@@ -392,7 +435,8 @@ def decode_checked_cache(
     if scale is None:
         scale = default_scale
     if num_splits is None:
-        num_splits = _num_splits(bsz, c.h_kv, m_tiles, c.capacity if max_len is None else max_len, c.sm_count())
+        max_len = c.capacity if max_len is None else max_len
+        num_splits = _measured_num_splits(q, c, seq_ids, float(scale), m_tiles, max_len)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.kvcache_decode(
             q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale, c.v_scale, float(scale),
