@@ -201,7 +201,7 @@ def _decode_split_kernel(
     o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32 and (B, H_q, T_q, NUM_SPLITS)
     qk_scale,  # softmax scale * log2(e): exp2 below instead of exp
     H_KV, T_Q, GROUP, NUM_M_TILES, NUM_SPLITS,
-    len_bucket, work_bucket,  # autotune keys only: log2 of the split length and of the programs
+    len_bucket, work_bucket,  # autotune keys only: log2 of the split length, 2 log2 of the programs
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
     QUANT: tl.constexpr, FP16_MMA: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,

@@ -233,40 +233,51 @@ def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-# Split counts chosen by measurement, by everything the fastest one depends on.
+# Programs per SM measured for a class of decodes (see _measured_num_splits), and the split
+# count that gives for each exact shape.
+_MEASURED_PROGRAMS_PER_SM: dict[tuple, int] = {}
 _MEASURED_SPLITS: dict[tuple, int] = {}
 
 
 def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int, max_len: int) -> int:
-    """The fastest split count for this decode, measured once per shape on its first call.
+    """The split count of this decode: programs per SM measured once per class of decodes.
 
     A split program's time is nearly fixed, so a decode takes as many program times as it
     has waves: 528 programs where 3 fit an SM of 132 (396 at once) take two, 392 take one. How
     many fit depends on the tile config (its shared memory and registers), which the
     autotuner picks per split count, and an fp8 cache's decode is bound by the SMs, not
-    DRAM, so the fraction of a wave shows. On an H200 at B=1, 128k fp8 keys: 49 splits (one
-    wave of 3 per SM) decoded in 0.92x the time of 66 (four per SM, the default). Each
-    candidate (whole waves of SPLIT_WAVE_CANDIDATES programs per SM) is autotuned as usual
-    and timed with triton.testing.do_bench; the first call of a shape thus takes seconds.
-    Off CUDA, under the interpreter, while a CUDA graph is captured, while torch.compile
-    traces, or with KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan (_num_splits) is used.
+    DRAM, so the fraction of a wave shows (H200, B=1, 128k fp8 keys: 49 splits, one wave of 3
+    per SM, took 0.92x the time of the default 66, 4 per SM). The first decode of a class
+    (dtypes, head dim, paging, the power of two of its unsplit programs and of max_len) times
+    the split counts of SPLIT_WAVE_CANDIDATES programs per SM, each autotuned as usual, with
+    triton.testing.do_bench (so it takes seconds) and keeps the winner's programs per SM for
+    the class: a batch size seen first later in the class costs nothing. Off CUDA, under the
+    interpreter, while a CUDA graph is captured, while torch.compile traces, or with
+    KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan (SPLIT_PROGRAMS_PER_SM) is used.
     """
     key = (q.shape, q.dtype, c.dtype, c.h_kv, c.paged, c.page_size, seq_ids is not None, max_len, c.device)
-    chosen = _MEASURED_SPLITS.get(key)
-    if chosen is not None:
-        return chosen
+    splits = _MEASURED_SPLITS.get(key)
+    if splits is not None:
+        return splits
     bsz, sms = q.shape[0], c.sm_count()
-    default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+    programs = max(1, bsz * c.h_kv * m_tiles)
     if (not c.is_cuda or runtime.interpret_mode() or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing() or os.environ.get("KERNEL_LAB_KVCACHE_AUTOTUNE", "1") == "0"):
-        return default
-    candidates = {default, *(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p) for p in SPLIT_WAVE_CANDIDATES)}
-    from triton.testing import do_bench
+        return _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+    klass = (q.dtype, c.dtype, c.d, c.paged, c.page_size, seq_ids is not None, programs.bit_length(),
+             max_len.bit_length(), c.device)
+    per_sm = _MEASURED_PROGRAMS_PER_SM.get(klass)
+    if per_sm is None:
+        from triton.testing import do_bench
 
-    times = {s: do_bench(lambda s=s: _decode_launch(q, c, seq_ids, scale, s), warmup=5, rep=20)
-             for s in sorted(candidates)} if len(candidates) > 1 else {default: 0.0}
-    chosen = _MEASURED_SPLITS[key] = min(times, key=times.get)
-    return chosen
+        by_splits: dict[int, int] = {}  # split count -> the first programs-per-SM giving it
+        for p in (SPLIT_PROGRAMS_PER_SM, *SPLIT_WAVE_CANDIDATES):
+            by_splits.setdefault(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p), p)
+        times = {n: do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
+                 for n in by_splits} if len(by_splits) > 1 else {n: 0.0 for n in by_splits}
+        per_sm = _MEASURED_PROGRAMS_PER_SM[klass] = by_splits[min(times, key=times.get)]
+    splits = _MEASURED_SPLITS[key] = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
+    return splits
 
 
 def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
@@ -512,10 +523,11 @@ class _DecodePlan:
         self.lse_numel = bsz * h_q * t_q * num_splits
         self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
         self.merge_grid = (bsz * h_q * t_q, 1, 1)
-        # Autotune keys: the split length and the number of programs, as powers of two, so a
-        # 128k-token single sequence and a batch of 64 short ones may pick different tiles.
+        # Autotune keys: the split length as a power of two and the number of programs in
+        # half-octave steps, so a 128k-token single sequence and a batch of 64 short ones may
+        # pick different tiles, and so may 264 and 392 programs (2 and 3 per SM of an H200).
         len_bucket = int(math.log2(max(1, c.capacity // num_splits)))
-        work_bucket = int(math.log2(max(1, bsz * c.h_kv * m_tiles * num_splits)))
+        work_bucket = int(2 * math.log2(max(1, bsz * c.h_kv * m_tiles * num_splits)))
         self.meta = {
             "len_bucket": len_bucket, "work_bucket": work_bucket,
             "HEAD_DIM": d, "BLOCK_D": max(MIN_DOT_DIM, runtime.next_power_of_2(d)), "BLOCK_M": block_m,
