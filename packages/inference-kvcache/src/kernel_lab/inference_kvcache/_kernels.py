@@ -249,8 +249,9 @@ def _decode_split_kernel(
         # float16 is one exact conversion per two values while e4m3 -> bfloat16 costs another
         # per value, and those conversions, not the bytes, bounded this loop. q is scaled per
         # row by a power of two so its largest |q| lands in [2^14, 2^15): exact (float16 keeps
-        # 11 significant bits, bfloat16 8) and never overflows; entries below 2^-38 of the
-        # row's largest lose bits, far under bfloat16's own rounding of that largest term.
+        # 11 significant bits, bfloat16 8) and never overflows. Only entries 2^28 times smaller
+        # than the row's largest become float16 subnormals and lose bits: their share of the
+        # dot product is far under bfloat16's own rounding (2^-9) of its largest term.
         q32 = q.to(tl.float32)
         amax = tl.max(tl.abs(q32), 1)
         exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
