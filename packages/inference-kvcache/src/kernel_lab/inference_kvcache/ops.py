@@ -39,7 +39,7 @@ MAX_BLOCK_M = 64
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
-# Programs per SM of the split counts measured on a CUDA device's first decode of a shape
+# Programs per SM of the split counts timed by the first CUDA decode of a class of decodes
 # (see _measured_num_splits): whole waves of the configs' residency (2 to 4 programs fit an
 # SM) and two waves of 4.
 SPLIT_WAVE_CANDIDATES = (2, 3, 4, 8)
@@ -215,8 +215,8 @@ def kv_append_fwd(
 
 def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
     """Default split-K factor: enough programs to fill the GPU, each split at least
-    MIN_SPLIT_LEN keys. (On CUDA the first decode of a shape measures this and a few
-    neighbours that fill whole waves, and keeps the fastest: `_measured_num_splits`.)
+    MIN_SPLIT_LEN keys. (On CUDA the first decode of a class of decodes times this and a few
+    counts that fill whole waves, and keeps the fastest: `_measured_num_splits`.)
 
     E.g. B=1, 8 kv heads on 132 SMs: 8 programs without splitting would leave 124 SMs idle,
     so a 128k context is cut into 66 splits (528 programs); B=64 already has 512 programs at
