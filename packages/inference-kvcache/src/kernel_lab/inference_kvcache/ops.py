@@ -273,9 +273,13 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
         by_splits: dict[int, int] = {}  # split count -> the first programs-per-SM giving it
         for p in (SPLIT_PROGRAMS_PER_SM, *SPLIT_WAVE_CANDIDATES):
             by_splits.setdefault(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p), p)
-        times = {n: do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
-                 for n in by_splits} if len(by_splits) > 1 else {n: 0.0 for n in by_splits}
-        per_sm = _MEASURED_PROGRAMS_PER_SM[klass] = by_splits[min(times, key=times.get)]
+        if len(by_splits) == 1:  # every candidate gives the same split count: nothing to time
+            (per_sm,) = by_splits.values()
+        else:
+            times = {n: do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
+                     for n in by_splits}
+            per_sm = by_splits[min(times, key=times.get)]
+        _MEASURED_PROGRAMS_PER_SM[klass] = per_sm
     splits = _MEASURED_SPLITS[key] = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
     return splits
 
