@@ -268,9 +268,22 @@ def _quantized_matmul_kernel(
             k_mask = offs_k < (k_len - k) // 2  # k_len is even: K is, and splits are BLOCK_K-aligned
             x_even = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             x_odd = tl.load(x_ptrs + stride_xk, mask=k_mask[None, :], other=0.0)
-            p = tl.load(q_ptrs, mask=k_mask[:, None], other=0).to(tl.int32)
-            w_lo = ((p & 0xF) - zero[None, :]).to(x_ptr.dtype.element_ty)
-            w_hi = ((p >> 4) - zero[None, :]).to(x_ptr.dtype.element_ty)
+            # Magic-number dequantization: OR-ing a 4-bit code into the low mantissa bits of
+            # 2^7 (bfloat16 keeps 7 mantissa bits) or 2^10 (float16: 10) gives 2^7 + code exactly,
+            # a logic op per two codes where an int -> float conversion costs one per code (plus
+            # byte shuffles); subtracting 2^7 + zero, both small integers, is exact too. Offline
+            # sm_90 SASS of a 128-key step: 9.8 instructions per weight before, 5.8 after, with
+            # about 4 per weight of issue budget at DRAM rate (tests/test_compiled_code.py).
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                magic_bits: tl.constexpr = 0x4300  # 128.0
+                magic: tl.constexpr = 128
+            else:
+                magic_bits: tl.constexpr = 0x6400  # 1024.0
+                magic: tl.constexpr = 1024
+            p = tl.load(q_ptrs, mask=k_mask[:, None], other=0).to(tl.int16)
+            offset = (magic + zero).to(x_ptr.dtype.element_ty)[None, :]
+            w_lo = ((p & 0xF) | magic_bits).to(x_ptr.dtype.element_ty, bitcast=True) - offset
+            w_hi = (((p >> 4) & 0xF) | magic_bits).to(x_ptr.dtype.element_ty, bitcast=True) - offset
             part = tl.dot(x_even, w_lo)
             part = tl.dot(x_odd, w_hi, part)
             x_ptrs += BLOCK_K * stride_xk
