@@ -8,6 +8,7 @@ graph and run LLM-sized tensors; unmarked tests check input validation and the r
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -145,6 +146,38 @@ def test_adamw_low_precision_params_round_the_float32_update_once(kernel_device,
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype,amsgrad", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
+def test_adamw_bfloat16_state_rounds_each_moment_once(kernel_device, seed, dtype, amsgrad):
+    """state_dtype=bfloat16: every moment (and the param) of each step is the rounded-to-nearest
+    reference update of the previous stored state: error no larger than rounding the float64
+    result itself, plus float32 noise."""
+    params = _params(SHAPES, dtype, kernel_device, seed, scale=0.05)
+    opt = AdamW(params, weight_decay=0.05, amsgrad=amsgrad, state_dtype=torch.bfloat16, **HP)
+    group = opt.param_groups[0]
+
+    def check(got, want, what):
+        testing.assert_close_to_reference(
+            got, want, want.to(got.dtype), factor=1.0, atol=1e-6 * max(1.0, float(want.abs().max())), name=what
+        )
+
+    for step in range(1, 4):
+        _set_grads([params], seed + step)
+        expected = []
+        for p in params:
+            zeros = torch.zeros(p.shape, device=p.device, dtype=torch.bfloat16)
+            state = opt.state[p] if step > 1 else {"exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": zeros}
+            expected.append(_ref_update(p.detach(), p.grad, state, group, step))
+        opt.step()
+        for i, (p, (rp, rm, rv, rvmax)) in enumerate(zip(params, expected, strict=True)):
+            state = opt.state[p]
+            moments = {"exp_avg": rm, "exp_avg_sq": rv, **({"max_exp_avg_sq": rvmax} if amsgrad else {})}
+            for key, want in moments.items():
+                assert state[key].dtype == torch.bfloat16, key
+                check(state[key], want, f"step {step} {key}[{i}]")
+            check(p.detach(), rp, f"step {step} param[{i}]")
+
+
+@pytest.mark.interpret
 def test_adamw_mixed_dtypes_zero_size_and_master_weights_in_one_group(kernel_device, seed):
     """fp32 + bf16 params (bf16 with a float32 master copy, fp32 without), an fp16 grad on a
     bf16 param (where torch allows one) and zero-size tensors: several launches from one group, each checked against
@@ -242,6 +275,30 @@ def test_adamw_state_dict_round_trips_with_torch_adamw(kernel_device, seed, dire
 
 
 @pytest.mark.interpret
+def test_adamw_bfloat16_state_checkpoints_keep_their_dtype(kernel_device, seed):
+    """A bfloat16-state checkpoint restores bfloat16 moments, also into an optimizer created with
+    the float32 default; torch.optim.AdamW's checkpoint of bfloat16 params (bfloat16 moments)
+    loads into state_dtype=bfloat16 bit for bit, and into the default as float32."""
+    a = _params(SHAPES[:2], torch.bfloat16, kernel_device, seed)
+    opt_a = AdamW(a, state_dtype=torch.bfloat16, **HP)
+    topt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in a], foreach=False, **HP)
+    for step in range(2):
+        _set_grads([a, topt.param_groups[0]["params"]], seed + step)
+        opt_a.step()
+        topt.step()
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for source, state_dtype, want in ((opt_a, torch.float32, torch.bfloat16), (topt, torch.bfloat16, torch.bfloat16),
+                                      (topt, torch.float32, torch.float32)):
+        opt_b = AdamW(fresh, state_dtype=state_dtype, **HP)
+        opt_b.load_state_dict(copy.deepcopy(source.state_dict()))
+        assert opt_b.param_groups[0]["state_dtype"] == want
+        for p, q in zip(fresh, source.param_groups[0]["params"], strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                got, saved = opt_b.state[p][key], source.state[q][key]
+                assert got.dtype == want and torch.equal(got, saved.to(want)), key
+
+
+@pytest.mark.interpret
 def test_adamw_tensor_lr_and_scheduler_follow_torch(kernel_device, seed):
     """lr as a device tensor changed in place (the CUDA-graph pattern), and a float lr driven by
     an LR scheduler, both against torch.optim.AdamW with the same float schedule."""
@@ -281,6 +338,26 @@ def test_adamw_permuted_param_layout_matches_torch(kernel_device, seed):
         topt.step()
     assert opt.state[ours[0]]["exp_avg"].stride() == ours[0].stride()
     _assert_matches_torch(ours, theirs, opt, topt, "transposed param")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("misalign", [0, 1])
+def test_adamw_params_viewing_one_flat_buffer_match_torch(kernel_device, seed, misalign):
+    """Params as views of one flat buffer (as FSDP's flat parameters are), starting on 16-byte
+    boundaries (misalign=0: the kernel's vector path, with masked tails) or 4 bytes off them
+    (misalign=1: element-wise accesses); one tensor spans full blocks and a tail on the GPU."""
+    flat = testing.randn(6000, device=kernel_device, seed=seed, scale=0.05)
+    layout = [(0, (300,)), (304, (37, 11)), (720, (4096 + 5,))]
+    ours = [torch.nn.Parameter(flat[o + misalign:o + misalign + math.prod(s)].view(s)) for o, s in layout]
+    assert all(p.data_ptr() % 16 == 4 * misalign for p in ours)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, weight_decay=0.1, **HP)
+    topt = torch.optim.AdamW(theirs, weight_decay=0.1, foreach=False, **HP)
+    for step in range(3):
+        _set_grads([ours, theirs], seed + step)
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, f"flat-buffer view (misaligned by {4 * misalign} bytes)")
 
 
 @pytest.mark.interpret
@@ -353,7 +430,9 @@ def _valid_args():
         ({"lr": "0.1"}, TypeError, "lr must be a float"),
         ({"grads": [torch.ones(5)]}, ValueError, r"grads\[0\]: expected shape \(4,\)"),
         ({"grads": [torch.ones(4).to_sparse()]}, TypeError, "sparse gradients"),
-        ({"exp_avgs": [torch.zeros(4, dtype=torch.bfloat16)]}, TypeError, "state must be float32"),
+        ({"exp_avgs": [torch.zeros(4, dtype=torch.float16)]}, TypeError, "must be float32 or bfloat16"),
+        ({"exp_avgs": [torch.zeros(4, dtype=torch.bfloat16)]}, TypeError, "moments of a parameter share one dtype"),
+        ({"master_params": [torch.zeros(4, dtype=torch.bfloat16)]}, TypeError, r"master_params\[0\]: must be float32"),
         ({"exp_avg_sqs": []}, ValueError, "exp_avg_sqs has 0 entries"),
         ({"params": [torch.zeros(4, dtype=torch.float64)]}, TypeError, "float32, float16 or bfloat16"),
         ({"params": [torch.zeros(8)[::2]]}, ValueError, "without gaps"),
@@ -378,6 +457,8 @@ def test_adamw_optimizer_rejects_bad_hyperparameters_and_sparse_grads():
         AdamW([p], lr=-1e-3)
     with pytest.raises(ValueError, match="differentiable"):
         AdamW([p], differentiable=True)
+    with pytest.raises(TypeError, match=r"state_dtype must be torch\.float32 or torch\.bfloat16"):
+        AdamW([p], state_dtype=torch.float16)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     opt = AdamW([p])

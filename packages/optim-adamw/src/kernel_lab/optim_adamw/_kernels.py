@@ -3,7 +3,8 @@
 import triton
 import triton.language as tl
 
-# Rows of the pointer table: one int64 address per tensor and row (see ops._PtrRow).
+# Rows of the pointer table: per tensor and row, the int64 byte offset of the tensor's data from
+# the table's own first byte (see _tensor_pointer and ops._ptr_table).
 # (constexpr globals: a @triton.jit function may only read globals that are tl.constexpr).
 ROW_PARAM = tl.constexpr(0)
 ROW_GRAD = tl.constexpr(1)
@@ -30,8 +31,76 @@ def _round_to_bfloat16(x):
 
 
 @triton.jit
+def _to_storage(x, DTYPE: tl.constexpr):
+    """A float32 result rounded to nearest even in the storage dtype of a param or moment."""
+    if DTYPE == tl.bfloat16:
+        return _round_to_bfloat16(x)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _tensor_pointer(ptr_table, row, num_tensors, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor t's address, from `row` of the table, as a pointer to DTYPE.
+
+    The table holds byte offsets from its own first byte, not addresses: the compiler knows the
+    alignment of a pointer argument (16 bytes when the launcher's tensor is), but not of an
+    address loaded from memory and cast to a pointer, and without a known alignment it issues
+    every access element by element (LDG.E.U16 for bfloat16: 2 bytes per instruction).
+    ALIGNED: the host checked that every address of the launch is a multiple of 16 bytes.
+    """
+    offset = tl.load(ptr_table + row * num_tensors + t)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    return (ptr_table.to(tl.pointer_type(tl.int8)) + offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _update_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, offs, end,
+    step_size, bias_correction2_sqrt, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+    PARAM_DTYPE: tl.constexpr, STATE_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    MASTER: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The update of the elements `offs` (BLOCK of them, contiguous). MASKED: only those below
+    `end` (the tensor's last block); unmasked blocks keep their 16-byte vector accesses, which a
+    mask whose bound has unknown alignment would break up."""
+    if MASKED:
+        mask = offs < end
+    else:
+        mask = None
+    if MASTER:
+        p = tl.load(master_ptr + offs, mask=mask)
+    else:
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    p = p * decay
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    if AMSGRAD:
+        v_max = tl.maximum(tl.load(vmax_ptr + offs, mask=mask).to(tl.float32), v)
+        tl.store(vmax_ptr + offs, _to_storage(v_max, STATE_DTYPE), mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    # IEEE sqrt and division (tl.sqrt / '/' may lower to approximate PTX): the same
+    # rounding as torch's kernels, so float32 results agree to an ulp or two.
+    p = p - tl.div_rn(step_size * m, denom)
+    tl.store(m_ptr + offs, _to_storage(m, STATE_DTYPE), mask=mask)
+    tl.store(v_ptr + offs, _to_storage(v, STATE_DTYPE), mask=mask)
+    if MASTER:
+        tl.store(master_ptr + offs, p, mask=mask)
+    tl.store(p_ptr + offs, _to_storage(p, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
 def _adamw_multi_tensor_kernel(
-    ptr_table,  # int64 [7, num_tensors]: addresses of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step
+    ptr_table,  # int64 [7, num_tensors]: byte offsets from ptr_table of param, grad, exp_avg, exp_avg_sq,
+    #             max_exp_avg_sq, master, step
     numels,  # int64 [num_tensors]
     work_table,  # int64 [num_programs]: (tensor index << 32) | chunk index within that tensor
     num_tensors,
@@ -48,31 +117,33 @@ def _adamw_multi_tensor_kernel(
     weight_decay,
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,  # exp_avg, exp_avg_sq (and max_exp_avg_sq): float32 or bfloat16
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     MASTER: tl.constexpr,  # float32 master weights: read/write master, also write the rounded param
     LR_FROM_PTR: tl.constexpr,
     STEP_FROM_PTR: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every tensor address is a multiple of 16 bytes
     CHUNK: tl.constexpr,  # elements per program
     BLOCK: tl.constexpr,  # elements per loop iteration
 ):
     """One AdamW update of CHUNK elements of one tensor (see kernel_lab.shared.reference.adamw_step).
 
     Every element is read once (param or master, grad, exp_avg, exp_avg_sq[, max_exp_avg_sq])
-    and written once; the state is float32, the math float32, the scalars float64.
+    and written once; the math is float32 whatever the storage dtypes, the scalars float64.
     """
     work = tl.load(work_table + tl.program_id(0))
     t = work >> 32
     start = (work & 0xFFFFFFFF) * CHUNK  # int64: a tensor may exceed 2**31 elements
     end = tl.minimum(start + CHUNK, tl.load(numels + t))
 
-    p_ptr = tl.load(ptr_table + ROW_PARAM * num_tensors + t).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(ptr_table + ROW_GRAD * num_tensors + t).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(ptr_table + ROW_EXP_AVG * num_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(ptr_table + ROW_EXP_AVG_SQ * num_tensors + t).to(tl.pointer_type(tl.float32))
+    p_ptr = _tensor_pointer(ptr_table, ROW_PARAM, num_tensors, t, PARAM_DTYPE, ALIGNED)
+    g_ptr = _tensor_pointer(ptr_table, ROW_GRAD, num_tensors, t, GRAD_DTYPE, ALIGNED)
+    m_ptr = _tensor_pointer(ptr_table, ROW_EXP_AVG, num_tensors, t, STATE_DTYPE, ALIGNED)
+    v_ptr = _tensor_pointer(ptr_table, ROW_EXP_AVG_SQ, num_tensors, t, STATE_DTYPE, ALIGNED)
 
     if STEP_FROM_PTR:
-        step_ptr = tl.load(ptr_table + ROW_STEP * num_tensors + t).to(tl.pointer_type(tl.float32))
+        step_ptr = _tensor_pointer(ptr_table, ROW_STEP, num_tensors, t, tl.float32, False)
         step64 = tl.load(step_ptr).to(tl.float64)
     else:
         step64 = tl.cast(step, tl.float64)
@@ -88,37 +159,21 @@ def _adamw_multi_tensor_kernel(
     bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
     decay = (1.0 - lr64 * tl.cast(weight_decay, tl.float64)).to(tl.float32)
 
-    for off in range(start, end, BLOCK):
+    vmax_ptr = m_ptr  # placeholders, unused without AMSGRAD / MASTER
+    master_ptr = m_ptr
+    if AMSGRAD:
+        vmax_ptr = _tensor_pointer(ptr_table, ROW_MAX_EXP_AVG_SQ, num_tensors, t, STATE_DTYPE, ALIGNED)
+    if MASTER:
+        master_ptr = _tensor_pointer(ptr_table, ROW_MASTER, num_tensors, t, tl.float32, ALIGNED)
+    full_end = start + (end - start) // BLOCK * BLOCK
+    for off in range(start, full_end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < end
-        if MASTER:
-            master_ptr = tl.load(ptr_table + ROW_MASTER * num_tensors + t).to(tl.pointer_type(tl.float32))
-            p = tl.load(master_ptr + offs, mask=mask)
-        else:
-            p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        if MAXIMIZE:
-            g = -g
-        p = p * decay
-        m = beta1 * m + one_minus_beta1 * g
-        v = beta2 * v + one_minus_beta2 * g * g
-        if AMSGRAD:
-            vmax_ptr = tl.load(ptr_table + ROW_MAX_EXP_AVG_SQ * num_tensors + t).to(tl.pointer_type(tl.float32))
-            v_max = tl.maximum(tl.load(vmax_ptr + offs, mask=mask), v)
-            tl.store(vmax_ptr + offs, v_max, mask=mask)
-            denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
-        else:
-            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-        # IEEE sqrt and division (tl.sqrt / '/' may lower to approximate PTX): the same
-        # rounding as torch's kernels, so float32 results agree to an ulp or two.
-        p = p - tl.div_rn(step_size * m, denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if MASTER:
-            tl.store(master_ptr + offs, p, mask=mask)
-        if PARAM_DTYPE == tl.bfloat16:
-            tl.store(p_ptr + offs, _round_to_bfloat16(p), mask=mask)
-        else:
-            tl.store(p_ptr + offs, p.to(PARAM_DTYPE), mask=mask)
+        if ALIGNED:  # off is a multiple of BLOCK: chunks are, and blocks step through them
+            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        _update_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, offs, end, step_size, bias_correction2_sqrt,
+                      decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                      PARAM_DTYPE, STATE_DTYPE, AMSGRAD, MAXIMIZE, MASTER, MASKED=False)
+    if full_end < end:
+        _update_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, full_end + tl.arange(0, BLOCK), end,
+                      step_size, bias_correction2_sqrt, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                      PARAM_DTYPE, STATE_DTYPE, AMSGRAD, MAXIMIZE, MASTER, MASKED=True)

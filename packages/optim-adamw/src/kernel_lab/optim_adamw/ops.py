@@ -6,14 +6,15 @@ Call path: `adamw_step_(...)` (and `AdamW.step()`) checks its inputs, then
 - under torch.compile calls `torch.ops.kernel_lab.adamw_step_`, a `custom_op` that mutates its
   list arguments in place, so the graph has no break.
 
-How one launch covers many tensors: a pointer table (int64 [7, T]: the addresses of each
-tensor's param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master copy and step) and a work
+How one launch covers many tensors: a pointer table (int64 [7, T]: where each tensor's param,
+grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master copy and step are, as byte offsets from the
+table itself, so that the kernel's pointers keep a known alignment) and a work
 table (one int64 per program: tensor index << 32 | chunk index) live on the device. Each
 program reads its entry, casts the addresses to typed pointers and updates CHUNK elements.
 Both tables depend only on the addresses and sizes, so they are cached by those: a training
 loop whose gradients come back at the same addresses (the caching allocator's usual
 behaviour) copies no table after the first step, and a CUDA graph replays the tables it
-captured. One launch per (device, param dtype, grad dtype) in a call, plus one
+captured. One launch per (device, param dtype, grad dtype, state dtype) in a call, plus one
 `torch._foreach_add_` for the step counters.
 """
 
@@ -44,6 +45,10 @@ from ._kernels import (
 )
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Moments (exp_avg, exp_avg_sq, max_exp_avg_sq). Not float16: v = (1 - beta2) g^2 underflows its
+# range (smallest subnormal 6e-8) for |g| below about 8e-3 at beta2 = 0.999, and a zero v turns
+# the update into lr * m / eps.
+SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # Elements per program, per loop iteration, warps: measured on an H200 (torch 2.11, triton 3.6)
@@ -72,7 +77,7 @@ _SPARES_PER_SIZE = 4
 
 @dataclass
 class _Bucket:
-    """Tensors of one launch: same device, param dtype and grad dtype."""
+    """Tensors of one launch: same device, param dtype, grad dtype, state dtype, master or not."""
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -83,8 +88,8 @@ class _Bucket:
     steps: list[torch.Tensor] | None
 
 
-def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A device copy of a small int64 table, also when called inside CUDA graph capture.
+def _to_device(host: np.ndarray, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A device copy of a small int64 table (into `out` if given), also inside CUDA graph capture.
 
     On CUDA the table goes through pinned memory with an asynchronous copy (a pageable copy
     cannot be captured). The pinned buffer stays alive as long as the device table; a copy made
@@ -95,24 +100,25 @@ def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     warm-up-then-capture sequence then allocates nothing while capturing).
     """
     cpu = torch.from_numpy(host).reshape(-1)
+    out = torch.empty(host.shape, dtype=torch.int64, device=device) if out is None else out
     if device.type != "cuda":
-        return cpu.to(device).reshape(host.shape)
+        return out.copy_(cpu.reshape(host.shape))
     n = cpu.numel()
     if torch.cuda.is_current_stream_capturing():
         fits = [i for i, b in enumerate(_SPARE_PINNED) if b.numel() >= n]
         pinned = _SPARE_PINNED.pop(fits[0])[:n] if fits else torch.empty(n, dtype=torch.int64, pin_memory=True)
         pinned.copy_(cpu)
-        out = pinned.to(device, non_blocking=True)
+        out.view(-1).copy_(pinned, non_blocking=True)
         _CAPTURED.extend((pinned, out))
-        return out.reshape(host.shape)
+        return out
     pinned = torch.empty(n, dtype=torch.int64, pin_memory=True)
     pinned.copy_(cpu)
-    out = pinned.to(device, non_blocking=True)
+    out.view(-1).copy_(pinned, non_blocking=True)
     out._kernel_lab_pinned = pinned  # type: ignore[attr-defined]
     # a few spares: one capture may build several tables (one per launch, plus work tables)
     if sum(b.numel() >= n for b in _SPARE_PINNED) < _SPARES_PER_SIZE:
         _SPARE_PINNED.append(torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True))
-    return out.reshape(host.shape)
+    return out
 
 
 def _cached(cache: OrderedDict, key: tuple, build):
@@ -142,8 +148,10 @@ def _work_tables(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
     return _cached(_WORK_CACHE, (device, chunk, numels), build)
 
 
-def _ptr_table(b: _Bucket, device: torch.device) -> torch.Tensor:
-    """The int64 [7, T] address table of a bucket (absent rows hold 0)."""
+def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The int64 [7, T] table of a bucket: each tensor's byte offset from the table's own data
+    (absent rows hold 0); and whether every address the kernel walks (all but the step
+    counters) and the table are multiples of 16 bytes, for its 16-byte vector accesses."""
     t = len(b.params)
     rows: list[tuple[int, ...] | None] = [None] * NUM_ROWS
     rows[ROW_PARAM] = tuple(x.data_ptr() for x in b.params)
@@ -159,11 +167,15 @@ def _ptr_table(b: _Bucket, device: torch.device) -> torch.Tensor:
     key = (device, *rows)
 
     def build():
+        table = torch.empty((NUM_ROWS, t), dtype=torch.int64, device=device)
         host = np.zeros((NUM_ROWS, t), dtype=np.int64)
         for i, row in enumerate(rows):
             if row is not None:
-                host[i] = np.asarray(row, dtype=np.uint64).view(np.int64)
-        return _to_device(host, device)
+                # Python ints: exact whatever the addresses (a uint64 - int64 mix would be float64)
+                host[i] = [address - table.data_ptr() for address in row]
+        walked = [a for i, row in enumerate(rows) if row is not None and i != ROW_STEP for a in row]
+        aligned = all(a % 16 == 0 for a in walked) and table.data_ptr() % 16 == 0
+        return _to_device(host, device, table), aligned
 
     return _cached(_PTR_CACHE, key, build)
 
@@ -178,7 +190,7 @@ def _launch_bucket(
     numels, work, num_programs = _work_tables(tuple(p.numel() for p in b.params), chunk, device)
     if num_programs == 0:
         return
-    ptrs = _ptr_table(b, device)
+    ptrs, aligned = _ptr_table(b, device)
     _adamw_multi_tensor_kernel[(num_programs,)](
         ptrs, numels, work, len(b.params),
         float(lr), lr_tensor if lr_tensor is not None else ptrs, float(step),
@@ -187,11 +199,13 @@ def _launch_bucket(
         eps, weight_decay,
         PARAM_DTYPE=_TL_DTYPES[b.params[0].dtype],
         GRAD_DTYPE=_TL_DTYPES[b.grads[0].dtype],
+        STATE_DTYPE=_TL_DTYPES[b.exp_avgs[0].dtype],
         AMSGRAD=b.max_exp_avg_sqs is not None,
         MAXIMIZE=maximize,
         MASTER=b.master_params is not None,
         LR_FROM_PTR=lr_tensor is not None,
         STEP_FROM_PTR=b.steps is not None,
+        ALIGNED=aligned,
         CHUNK=chunk,
         BLOCK=block,
         num_warps=NUM_WARPS,
@@ -271,12 +285,14 @@ def adamw_step_launch(
 
 
 def _buckets(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps) -> list[_Bucket]:
-    """Split the lists into launches of one (device, param dtype, grad dtype, master or not)."""
-    p0, g0 = params[0], grads[0]
+    """Split the lists into launches of one (device, param dtype, grad dtype, state dtype, master
+    or not); the moments of one parameter share a dtype (checked by the callers)."""
+    p0, g0, m0 = params[0], grads[0], exp_avgs[0]
     masters = list(master_params) if master_params is not None else None
     if (
         all(p.dtype == p0.dtype and p.device == p0.device for p in params)
         and all(g.dtype == g0.dtype for g in grads)
+        and all(m.dtype == m0.dtype for m in exp_avgs)
         and (masters is None or all(m is not None for m in masters))
     ):
         # the common case, one launch: no per-tensor sorting on the host
@@ -286,7 +302,7 @@ def _buckets(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_param
     buckets: dict[tuple, _Bucket] = {}
     for i, p in enumerate(params):
         master = masters[i] if masters is not None else None
-        key = (p.device, p.dtype, grads[i].dtype, master is not None)
+        key = (p.device, p.dtype, grads[i].dtype, exp_avgs[i].dtype, master is not None)
         b = buckets.get(key)
         if b is None:
             b = buckets[key] = _Bucket(
@@ -429,12 +445,13 @@ def check_grad(g, p: torch.Tensor, where: str) -> None:
                          f"{tuple(g.shape)} on {g.device}")
 
 
-def check_state(s, p: torch.Tensor, where: str) -> None:
-    """Optimizer state: float32, the parameter's shape, device and memory layout."""
+def check_state(s, p: torch.Tensor, where: str, dtypes: tuple[torch.dtype, ...] = SUPPORTED_STATE_DTYPES) -> None:
+    """Optimizer state: one of `dtypes`, the parameter's shape, device and memory layout."""
     if not isinstance(s, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(s).__name__}")
-    if s.dtype != torch.float32:
-        raise TypeError(f"{where}: optimizer state must be float32, got {s.dtype}")
+    if s.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{where}: must be {names}, got {s.dtype}")
     if s.shape != p.shape or s.device != p.device:
         raise ValueError(f"{where}: expected shape {tuple(p.shape)} on {p.device} like its parameter, got "
                          f"{tuple(s.shape)} on {s.device}")
@@ -474,15 +491,17 @@ def adamw_step_(
 
     params: float32, float16 or bfloat16 tensors of any shape (contiguous, or a permutation of
     a contiguous layout); grads: the same shapes, devices and layouts, any of those dtypes;
-    exp_avgs, exp_avg_sqs (and max_exp_avg_sqs with amsgrad): float32, same shapes and layouts.
-    master_params: optional float32 copies of low-precision params (None entries allowed):
+    exp_avgs, exp_avg_sqs (and max_exp_avg_sqs with amsgrad): float32 or bfloat16 (one dtype per
+    parameter: its moments are stored rounded to nearest even, the math stays float32), same
+    shapes and layouts. master_params: optional float32 copies of low-precision params (None entries allowed):
     the update reads and writes the master copy and stores its rounding into the param.
     step: the 1-based number of this update for every tensor, or a list of float32 scalar
     tensors on the params' device (one per param) that is incremented first, then used, so
     the call can be captured in a CUDA graph. lr: a float or a 1-element tensor (read on the
     device at run time, e.g. from a scheduler inside a CUDA graph).
 
-    One Triton launch per (device, param dtype, grad dtype), plus one for the step counters.
+    One Triton launch per (device, param dtype, grad dtype, state dtype), plus one for the step
+    counters.
     Raises TypeError for wrong types/dtypes (sparse grads included) and ValueError for
     mismatched lengths, shapes, devices or layouts and for out-of-range hyper-parameters.
     """
@@ -514,12 +533,16 @@ def adamw_step_(
             raise ValueError(f"{name}: params[{i}] is on {p.device}, params[0] on {device}: one device per call")
         check_grad(grads[i], p, f"{name}: grads[{i}]")
         same_layout(grads[i], p, f"{name}: grads[{i}]")
-        check_state(exp_avgs[i], p, f"{name}: exp_avgs[{i}]")
-        check_state(exp_avg_sqs[i], p, f"{name}: exp_avg_sqs[{i}]")
+        moments = {"exp_avgs": exp_avgs[i], "exp_avg_sqs": exp_avg_sqs[i]}
         if amsgrad:
-            check_state(max_exp_avg_sqs[i], p, f"{name}: max_exp_avg_sqs[{i}]")
+            moments["max_exp_avg_sqs"] = max_exp_avg_sqs[i]
+        for label, s in moments.items():
+            check_state(s, p, f"{name}: {label}[{i}]")
+            if s.dtype != exp_avgs[i].dtype:
+                raise TypeError(f"{name}: {label}[{i}] is {s.dtype}, exp_avgs[{i}] is {exp_avgs[i].dtype}: the "
+                                "moments of a parameter share one dtype")
         if master_params is not None and master_params[i] is not None:
-            check_state(master_params[i], p, f"{name}: master_params[{i}]")
+            check_state(master_params[i], p, f"{name}: master_params[{i}]", (torch.float32,))
         if steps is not None:
             s = steps[i]
             if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:

@@ -18,18 +18,23 @@ class AdamW(torch.optim.Optimizer):
     master_weights: for float16/bfloat16 params, keep a float32 copy in the state
     ("master_param") that the update reads and writes; the param receives its rounding. Without
     it the update reads the low-precision param, computes in float32 and rounds once.
+    state_dtype: torch.float32 (default) or torch.bfloat16, the dtype of exp_avg / exp_avg_sq
+    (and max_exp_avg_sq). bfloat16 moments halve the state's memory and bytes per step; this is
+    what torch.optim.AdamW keeps for bfloat16 params, and what torchtitan's bf16 optimizer
+    states are. The math stays float32; each moment is rounded to nearest even when stored.
     foreach, fused, capturable: accepted so that torch.optim.AdamW call sites run unchanged;
     the step is always fused and capturable. differentiable=True is not supported.
 
     State per parameter, with torch.optim.AdamW's keys: "step" (float32 scalar tensor on the
     param's device, like torch's fused/capturable AdamW), "exp_avg", "exp_avg_sq" (and
-    "max_exp_avg_sq" with amsgrad), always float32 whatever the param dtype. state_dict() loads
-    into torch.optim.AdamW and a torch.optim.AdamW state_dict loads into this class (its
-    moments are converted to float32).
+    "max_exp_avg_sq" with amsgrad), in `state_dtype` whatever the param dtype. state_dict()
+    loads into torch.optim.AdamW and a torch.optim.AdamW state_dict loads into this class (its
+    moments are converted to the group's state_dtype).
 
-    Differs from torch.optim.AdamW: float16/bfloat16 params keep float32 moments (torch keeps
-    them in the param dtype); params must cover their memory without gaps (any permutation of
-    a contiguous layout).
+    Differs from torch.optim.AdamW: float16/bfloat16 params keep float32 moments by default
+    (torch keeps them in the param dtype; state_dtype=torch.bfloat16 matches torch for bfloat16
+    params); params must cover their memory without gaps (any permutation of a contiguous
+    layout).
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class AdamW(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         master_weights: bool = False,
+        state_dtype: torch.dtype = torch.float32,
         foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
@@ -54,6 +60,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
         betas = (float(betas[0]), float(betas[1]))
         ops.check_hyperparameters(lr, betas[0], betas[1], eps, weight_decay, name="AdamW")
+        check_state_dtype(state_dtype, "AdamW")
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -62,6 +69,7 @@ class AdamW(torch.optim.Optimizer):
             "amsgrad": amsgrad,
             "maximize": maximize,
             "master_weights": master_weights,
+            "state_dtype": state_dtype,
             # torch.optim.AdamW's remaining keys, so that it can load our state_dict as is.
             "foreach": foreach,
             "capturable": capturable,
@@ -81,6 +89,7 @@ class AdamW(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("master_weights", False)
+            group.setdefault("state_dtype", torch.float32)
             group.setdefault("foreach", None)
             group.setdefault("capturable", False)
             group.setdefault("differentiable", False)
@@ -91,6 +100,7 @@ class AdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._plans = {}
         group = self.param_groups[-1]
+        check_state_dtype(group["state_dtype"], f"AdamW: param_groups[{len(self.param_groups) - 1}]")
         for i, p in enumerate(group["params"]):
             ops.check_param(p, f"AdamW: param_groups[{len(self.param_groups) - 1}]['params'][{i}]")
 
@@ -98,12 +108,8 @@ class AdamW(torch.optim.Optimizer):
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=torch.float32, memory_format=torch.preserve_format
-                )
+            for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                state[key] = torch.zeros_like(p, dtype=group["state_dtype"], memory_format=torch.preserve_format)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             # amsgrad switched on for an existing state (e.g. a loaded checkpoint without it)
             state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
@@ -154,7 +160,8 @@ class AdamW(torch.optim.Optimizer):
         keeps a small model's GPU waiting).
         """
         key = (
-            tuple(map(id, params)), group["amsgrad"], group["master_weights"], self._state_version,
+            tuple(map(id, params)), group["amsgrad"], group["master_weights"], group["state_dtype"],
+            self._state_version,
             id(self.state), len(self.state),  # state replaced or cleared by the caller
         )
         cached = self._plans.get(gi)
@@ -184,22 +191,35 @@ class AdamW(torch.optim.Optimizer):
         """Load a state_dict of this class or of torch.optim.AdamW (any of its variants).
 
         torch's loader casts floating-point state to the param dtype; the moments are then
-        re-read from `state_dict` in float32 and the step counters moved to the param's device.
+        re-read from `state_dict` in the group's state_dtype (a torch checkpoint has none: this
+        optimizer's setting is kept), master copies in float32, and the step counters moved to
+        the param's device.
         """
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        state_dtypes = [g["state_dtype"] for g in self.param_groups]
         super().load_state_dict(state_dict)
-        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        for saved_id, p in zip(saved_ids, params, strict=True):
+        for group, saved, state_dtype in zip(self.param_groups, state_dict["param_groups"], state_dtypes, strict=True):
+            group["state_dtype"] = saved.get("state_dtype", state_dtype)
+            check_state_dtype(group["state_dtype"], "AdamW.load_state_dict")
+        groups = chain.from_iterable([(p, g) for p in g["params"]] for g in self.param_groups)
+        for saved_id, (p, group) in zip(saved_ids, groups, strict=True):
             src = saved_state.get(saved_id)
             if not src:
                 continue
             state = self.state[p]
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if torch.is_tensor(src.get(key)):
-                    state[key] = torch.empty_like(p, dtype=torch.float32).copy_(src[key])
+                    dtype = torch.float32 if key == "master_param" else group["state_dtype"]
+                    state[key] = torch.empty_like(p, dtype=dtype).copy_(src[key])
             step = src["step"]
             step = step.detach().to(dtype=torch.float32) if torch.is_tensor(step) else torch.tensor(float(step))
             state["step"] = step.reshape(()).to(p.device, copy=True)
         self._plans = {}
         self._state_version += 1
+
+
+def check_state_dtype(state_dtype, where: str) -> None:
+    if state_dtype not in ops.SUPPORTED_STATE_DTYPES:
+        raise TypeError(f"{where}: state_dtype must be torch.float32 or torch.bfloat16 (float16 moments "
+                        f"underflow: see kernel_lab.optim_adamw.ops), got {state_dtype!r}")
