@@ -59,7 +59,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # programs (4096 / 4096) were slower, their prologue exposed.
 CHUNK = 4096
 BLOCK = 1024
-NUM_WARPS = 4
+NUM_WARPS = 8
 # The interpreter runs a program at a time on the CPU: small chunks make the small test
 # tensors span several programs (multi-chunk tensors and masked tails are exercised).
 INTERPRET_CHUNK = 256
