@@ -52,11 +52,12 @@ SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # Elements per program, per loop iteration, warps: measured on an H200 (torch 2.11, triton 3.6)
-# over 100M and 1B float32 parameters in Qwen2.5 / Llama-3 tensor shapes, among chunks of 2K
-# to 64K elements, blocks of 1K to 4K and 4 or 8 warps. 4096 / 1024 / 4 was the fastest at
-# both sizes: four loop iterations hide the per-program prologue (three dependent table loads
-# and the float64 bias corrections) without making the grid's last wave long; single-iteration
-# programs (4096 / 4096) were slower, their prologue exposed.
+# over 10M, 100M and 1B parameters in Qwen2.5 / Llama-3 tensor shapes (float32 params; bfloat16
+# params with float32 and with bfloat16 moments), among chunks of 2K to 16K elements, blocks of
+# 512 to 2K and 4 or 8 warps. With 16-byte accesses, 4096 / 1024 / 8 and 4096 / 512 / 4 were
+# the best two (within 1% in geomean; 2-5% apart on single rows, either way); blocks of 2K,
+# with 16 elements per thread at 4 warps, ran 10-30% slower. Four loop iterations hide the
+# per-program prologue (three dependent table loads and the float64 bias corrections).
 CHUNK = 4096
 BLOCK = 1024
 NUM_WARPS = 8
