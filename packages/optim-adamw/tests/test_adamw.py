@@ -361,6 +361,31 @@ def test_adamw_params_viewing_one_flat_buffer_match_torch(kernel_device, seed, m
 
 
 @pytest.mark.interpret
+def test_adamw_grads_updated_in_place_and_replaced_between_steps(kernel_device, seed):
+    """step() skips the checks of grad tensors it checked at the previous step: values written
+    into the same grad tensors in place are used (also where the grad's layout differs from a
+    transposed param's, which takes a fresh copy every step), and a replaced grad is checked."""
+    base = testing.randn(9, 33, device=kernel_device, seed=seed, scale=0.05)
+    ours = [torch.nn.Parameter(base.t()), torch.nn.Parameter(testing.randn(300, device=kernel_device, seed=seed + 1))]
+    theirs = [torch.nn.Parameter(p.detach().contiguous().clone()) for p in ours]
+    grads = [torch.empty(33, 9, device=kernel_device), torch.empty(300, device=kernel_device)]
+    for p, g in zip(ours, grads, strict=True):
+        p.grad = g
+    opt = AdamW(ours, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(3):
+        for i, (g, q) in enumerate(zip(grads, theirs, strict=True)):
+            g.copy_(testing.randn(*g.shape, device=kernel_device, seed=seed + 10 * step + i))
+            q.grad = g.clone()
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "in-place grads")
+    ours[1].grad = torch.zeros(300, device=kernel_device).to_sparse()
+    with pytest.raises(TypeError, match="parameter 1: grad: sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("tensor_steps", [False, True])
 def test_adamw_step_functional_matches_reference(kernel_device, seed, tensor_steps):
     """adamw_step_ with mixed param dtypes (two launches) and an int step or step tensors."""

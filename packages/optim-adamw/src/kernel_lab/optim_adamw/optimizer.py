@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from itertools import chain
 
 import torch
@@ -78,12 +79,14 @@ class AdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": True,
         }
         self._plans: dict[int, tuple] = {}
+        self._grads_cache: dict[tuple, list[torch.Tensor]] = {}
         self._state_version = 0
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self._plans = {}
+        self._grads_cache = {}
         self._state_version = getattr(self, "_state_version", 0) + 1
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -134,15 +137,7 @@ class AdamW(torch.optim.Optimizer):
             if not params:
                 continue
             for device, (index, tensors) in self._plan(gi, group, params).items():
-                grads = []
-                for i in index:
-                    p = params[i]
-                    g = p.grad
-                    ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
-                    if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
-                        # the kernel walks param, grad and state in the same memory order
-                        g = torch.empty_like(p, dtype=g.dtype).copy_(g)
-                    grads.append(g)
+                grads = self._checked_grads(gi, device, [params[i] for i in index], index)
                 lr_value, lr_tensor = ops._split_lr(lr, device)
                 ops.dispatch(
                     tensors["params"], grads, tensors["exp_avgs"], tensors["exp_avg_sqs"],
@@ -151,6 +146,32 @@ class AdamW(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
                 )
         return loss
+
+    def _checked_grads(self, gi: int, device, params: list[torch.Tensor], index: list[int]) -> list[torch.Tensor]:
+        """The params' grads, checked, in the params' memory layout.
+
+        The same grad tensors as at the previous step (the usual loop: backward accumulates
+        into the grads that zero_grad(set_to_none=False) or the first backward created) are
+        not checked again: the checks cost a few microseconds per tensor, and a small model's
+        step is bound by its host work.
+        """
+        current = [p.grad for p in params]
+        cached = self._grads_cache.get((gi, device))
+        if cached is not None and len(cached) == len(current) and all(map(operator.is_, cached, current)):
+            return current
+        grads, as_is = [], True
+        for i, p, g in zip(index, params, current, strict=True):
+            ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
+            if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
+                # the kernel walks param, grad and state in the same memory order
+                g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+                as_is = False
+            grads.append(g)
+        if as_is:  # a copy holds this step's values: never reused
+            self._grads_cache[(gi, device)] = current
+        else:
+            self._grads_cache.pop((gi, device), None)
+        return grads
 
     def _plan(self, gi: int, group: dict, params: list[torch.Tensor]) -> dict:
         """Per device: positions in `params` and the state lists of one launch call.
