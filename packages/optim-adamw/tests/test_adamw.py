@@ -146,13 +146,17 @@ def test_adamw_low_precision_params_round_the_float32_update_once(kernel_device,
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype,amsgrad", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_adamw_bfloat16_state_rounds_each_moment_once(kernel_device, seed, dtype, amsgrad):
+@pytest.mark.parametrize("dtype,amsgrad,master_weights", [
+    (torch.bfloat16, False, False), (torch.bfloat16, True, False), (torch.float32, False, False),
+    (torch.bfloat16, False, True),
+])
+def test_adamw_bfloat16_state_rounds_each_moment_once(kernel_device, seed, dtype, amsgrad, master_weights):
     """state_dtype=bfloat16: every moment (and the param) of each step is the rounded-to-nearest
     reference update of the previous stored state: error no larger than rounding the float64
     result itself, plus float32 noise."""
     params = _params(SHAPES, dtype, kernel_device, seed, scale=0.05)
-    opt = AdamW(params, weight_decay=0.05, amsgrad=amsgrad, state_dtype=torch.bfloat16, **HP)
+    opt = AdamW(params, weight_decay=0.05, amsgrad=amsgrad, master_weights=master_weights, state_dtype=torch.bfloat16,
+                **HP)
     group = opt.param_groups[0]
 
     def check(got, want, what):
@@ -165,7 +169,10 @@ def test_adamw_bfloat16_state_rounds_each_moment_once(kernel_device, seed, dtype
         expected = []
         for p in params:
             zeros = torch.zeros(p.shape, device=p.device, dtype=torch.bfloat16)
-            state = opt.state[p] if step > 1 else {"exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": zeros}
+            state = opt.state[p] if step > 1 else {
+                "exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": zeros,
+                **({"master_param": p.detach().float()} if master_weights else {}),
+            }
             expected.append(_ref_update(p.detach(), p.grad, state, group, step))
         opt.step()
         for i, (p, (rp, rm, rv, rvmax)) in enumerate(zip(params, expected, strict=True)):
@@ -174,7 +181,12 @@ def test_adamw_bfloat16_state_rounds_each_moment_once(kernel_device, seed, dtype
             for key, want in moments.items():
                 assert state[key].dtype == torch.bfloat16, key
                 check(state[key], want, f"step {step} {key}[{i}]")
-            check(p.detach(), rp, f"step {step} param[{i}]")
+            if master_weights:
+                assert state["master_param"].dtype == torch.float32
+                testing.assert_close_to_reference(state["master_param"], rp, name=f"step {step} master[{i}]")
+                assert torch.equal(p.detach(), state["master_param"].to(dtype)), f"param[{i}] != rounded master"
+            else:
+                check(p.detach(), rp, f"step {step} param[{i}]")
 
 
 @pytest.mark.interpret
