@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -395,6 +396,14 @@ def test_adamw_grads_updated_in_place_and_replaced_between_steps(kernel_device, 
     ours[1].grad = torch.zeros(300, device=kernel_device).to_sparse()
     with pytest.raises(TypeError, match="parameter 1: grad: sparse gradients"):
         opt.step()
+    # the skipped checks must not keep grads alive: zero_grad() frees them
+    p = torch.nn.Parameter(testing.randn(300, device=kernel_device, seed=seed))
+    p.grad = testing.randn(300, device=kernel_device, seed=seed + 1)
+    opt = AdamW([p], **HP)
+    opt.step()
+    dropped = weakref.ref(p.grad)
+    opt.zero_grad()
+    assert dropped() is None, "the optimizer kept a dropped grad alive"
 
 
 @pytest.mark.interpret

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import operator
+import weakref
 from itertools import chain
 
 import torch
@@ -79,7 +79,7 @@ class AdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": True,
         }
         self._plans: dict[int, tuple] = {}
-        self._grads_cache: dict[tuple, list[torch.Tensor]] = {}
+        self._grads_cache: dict[tuple, list[weakref.ref]] = {}
         self._state_version = 0
         super().__init__(params, defaults)
 
@@ -153,12 +153,14 @@ class AdamW(torch.optim.Optimizer):
         The same grad tensors as at the previous step (the usual loop: backward accumulates
         into the grads that zero_grad(set_to_none=False) or the first backward created) are
         not checked again: the checks cost a few microseconds per tensor, and a small model's
-        step is bound by its host work.
+        step is bound by its host work. The cache holds weak references: grads that
+        zero_grad() dropped are freed, not kept alive until the next step.
         """
         current = [p.grad for p in params]
         cached = self._grads_cache.get((gi, device))
-        if cached is not None and len(cached) == len(current) and all(map(operator.is_, cached, current)):
-            return current
+        if cached is not None and len(cached) == len(current):
+            if all(ref() is g for ref, g in zip(cached, current, strict=True)):
+                return current
         grads, as_is = [], True
         for i, p, g in zip(index, params, current, strict=True):
             ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
@@ -168,7 +170,7 @@ class AdamW(torch.optim.Optimizer):
                 as_is = False
             grads.append(g)
         if as_is:  # a copy holds this step's values: never reused
-            self._grads_cache[(gi, device)] = current
+            self._grads_cache[(gi, device)] = [weakref.ref(g) for g in current]
         else:
             self._grads_cache.pop((gi, device), None)
         return grads
