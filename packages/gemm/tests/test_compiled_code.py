@@ -78,33 +78,6 @@ def test_kernel_loads_are_pipelined_async_copies(case):
         assert not re.search(r"ld\.global(?:\.[a-z0-9]+)*\.b16", ptx), "2-byte global loads of the operands"
 
 
-def _k_loop(compiled) -> list[str]:
-    """The SASS instructions of the kernel's longest backward branch's body (its K loop)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ins = testing.sass_instructions(compiled)
-    labels = {}  # nvdisasm -c names branch targets `.L_x_N`: their instruction indexes
-    index = 0
-    for line in listing.splitlines():
-        if m := re.match(r"^(\.L_x_\d+):", line.strip()):
-            labels[m.group(1)] = index
-        elif re.match(r"[ \t]*/\*[0-9a-f]{4,}\*/", line):
-            index += 1
-    loops = [(labels[m.group(1)], i) for i, text in enumerate(ins)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), i + 1) <= i]
-    start, end = max(loops, key=lambda se: se[1] - se[0])
-    return ins[start:end + 1]
-
-
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp16"])
 @pytest.mark.parametrize("num_warps", [4, 8])
 def test_int4_dequantization_stays_within_the_issue_budget(x_type, num_warps):
@@ -120,7 +93,7 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, num_warps):
     constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, BLOCK_M=16, BLOCK_N=128,
                       BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, num_warps, 3)
-    loop = [i for i in _k_loop(compiled) if not i.startswith("NOP")]
+    loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
     weights_per_thread = 128 * 128 / (num_warps * 32)
     per_weight = len(loop) / weights_per_thread
     assert not any(i.startswith("I2F") for i in loop), "codes converted one by one (I2F)"

@@ -19,6 +19,7 @@ interpret mode the default atol adds one bf16 ulp of max|ref| (docs/correctness.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -289,10 +290,8 @@ def compile_for_sm90(
     return triton.compile(src, target=sm90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def sass_instructions(compiled) -> list[str]:
-    """The SASS instructions of a kernel from `compile_for_sm90` (its cubin disassembled by the
-    nvdisasm that ships with the triton wheel), one string each, e.g. "FFMA R4, R2, R3, R4 ;"."""
-    import re
+def _sass_listing(compiled) -> str:
+    """`nvdisasm -c` of a kernel from `compile_for_sm90` (the nvdisasm that ships with triton)."""
     import tempfile
     from pathlib import Path
 
@@ -302,10 +301,36 @@ def sass_instructions(compiled) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    # instruction lines look like "        /*0040*/   FFMA R4, R2, R3, R4 ;" (nvdisasm -c)
-    instruction = re.compile(r"[ \t]*/\*[0-9a-f]{4,}\*/[ \t]+([^/]+?)[ \t]*(?:/\*.*)?$")
-    return [m.group(1) for line in listing.splitlines() if (m := instruction.match(line))]
+        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+# instruction lines look like "        /*0040*/   FFMA R4, R2, R3, R4 ;", branch targets ".L_x_12:"
+_SASS_INSTRUCTION = re.compile(r"[ \t]*/\*[0-9a-f]{4,}\*/[ \t]+([^/]+?)[ \t]*(?:/\*.*)?$")
+_SASS_LABEL = re.compile(r"^[ \t]*(\.L_x_\d+):")
+
+
+def sass_instructions(compiled) -> list[str]:
+    """The SASS instructions of a kernel from `compile_for_sm90` (its cubin disassembled by the
+    nvdisasm that ships with the triton wheel), one string each, e.g. "FFMA R4, R2, R3, R4 ;"."""
+    return [m.group(1) for line in _sass_listing(compiled).splitlines() if (m := _SASS_INSTRUCTION.match(line))]
+
+
+def sass_loop_body(compiled) -> list[str]:
+    """The SASS instructions of the kernel's longest loop: from the target of its longest
+    backward branch to that branch (e.g. a K loop, for per-iteration instruction counts)."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}  # branch target -> index of the instruction that follows it
+    for line in _sass_listing(compiled).splitlines():
+        if m := _SASS_LABEL.match(line):
+            labels[m.group(1)] = len(instructions)
+        elif m := _SASS_INSTRUCTION.match(line):
+            instructions.append(m.group(1))
+    loops = [(labels[m.group(1)], i) for i, text in enumerate(instructions)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), i + 1) <= i]
+    if not loops:
+        raise ValueError("sass_loop_body: the kernel has no loop (no backward branch)")
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    return instructions[start:end + 1]
 
 
 def require_sm90_compiler(test_name: str) -> None:
