@@ -25,19 +25,6 @@ def test_check_backend_names_the_op_and_the_bad_choice(monkeypatch):
         runtime.check_backend("op", "triton", x, "q")
 
 
-def test_launchable_wraps_only_traced_launches():
-    triton = pytest.importorskip("triton")
-
-    @triton.jit
-    def _noop_kernel(x_ptr):
-        pass
-
-    assert runtime.launchable(_noop_kernel, traced=False) is _noop_kernel
-    # Under TRITON_INTERPRET=1 wrap_triton hands back the interpreted kernel itself; compare with it.
-    traced = runtime.launchable(_noop_kernel, traced=True)
-    assert type(traced) is type(torch.library.wrap_triton(_noop_kernel))
-
-
 def test_versions_name_torch_and_python():
     v = runtime.versions()
     assert v["torch"] == torch.__version__ and "python" in v

@@ -21,12 +21,15 @@ import math
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.library import wrap_triton
 
 __all__ = [
+    "DIRECT_LAUNCH_TRITON",
     "DeviceInfo",
+    "DirectLauncher",
     "backend",
     "check_backend",
     "cuda_available",
@@ -112,7 +115,7 @@ def next_power_of_2(n: int) -> int:
 
 def launchable(kernel, traced: bool):
     """The Triton kernel to index with a grid and call: `wrap_triton(kernel)` when `traced`,
-    `kernel` itself otherwise.
+    a `DirectLauncher` of it otherwise (where supported; else `kernel` itself).
 
     Pass traced=True only from inside a `torch.library.triton_op` body, the code torch.compile
     traces: there the wrapper records the launch in the graph. Everywhere else (eager
@@ -121,7 +124,94 @@ def launchable(kernel, traced: bool):
     higher-order-op dispatch, measured at about 0.1-0.5 ms of CPU per launch on an H200 host,
     longer than the kernel itself for most LLM shapes.
     """
-    return wrap_triton(kernel) if traced else kernel
+    if traced:
+        return wrap_triton(kernel)
+    launcher = _DIRECT_LAUNCHERS.get(id(kernel))
+    if launcher is None:  # (the dict keeps every kernel it saw alive: an id is never reused)
+        launcher = DirectLauncher(kernel) if DirectLauncher.supports(kernel) else kernel
+        _DIRECT_LAUNCHERS[id(kernel)] = launcher
+    return launcher
+
+
+class DirectLauncher:
+    """`launcher[grid](*args, **kwargs)`: a Triton JIT kernel's launch without most of the host
+    work `JITFunction.run` repeats on every call.
+
+    JITFunction.run binds and specialises the arguments, then builds its cache key as a string
+    of the options, checks the kernel's globals, reads knobs and builds launch metadata for the
+    profiling hooks: about 14 us of CPU per launch on the lent H200 host (triton 3.6), of which
+    the launch itself is about 5. Here the first launch of each specialisation goes through
+    JITFunction.run (which compiles and launches); later launches run Triton's own argument
+    binder (what picks the specialisation: dtypes, 16-byte alignment of pointers, integers equal
+    to 1 or multiples of 16) and, when the (device, specialisation, options) key was seen,
+    launch the CompiledKernel that JITFunction.run returned for it. Same kernel, same arguments:
+    bit-identical results.
+
+    Falls back to JITFunction.run for every launch while launch hooks (e.g. the proton profiler)
+    or pre-run hooks are installed, and is only used with the Triton versions it was checked
+    against (`DIRECT_LAUNCH_TRITON`): the binder and CompiledKernel.run are Triton internals.
+    KERNEL_LAB_DIRECT_LAUNCH=0 turns it off. Changing a kernel's globals or Triton's debug
+    knobs after its first launch is not noticed (their values are part of the first launch).
+    """
+
+    __slots__ = ("_compiled", "kernel")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple, Any] = {}
+
+    @staticmethod
+    def supports(kernel) -> bool:
+        """Whether `kernel` can be launched directly in this process."""
+        if os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "1") == "0" or interpret_mode() or not cuda_available():
+            return False
+        import triton
+        from triton.runtime.jit import JITFunction
+
+        return triton.__version__.startswith(DIRECT_LAUNCH_TRITON) and isinstance(kernel, JITFunction)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        kernel = self.kernel
+        current_device, current_stream, knobs = _triton_launch_state()
+        if kernel.pre_run_hooks or knobs.launch_enter_hook.calls or knobs.launch_exit_hook.calls:
+            return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        device = current_device()
+        bound_args, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
+        key = (device, *specialization, *options.items())
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            if getattr(compiled, "function", None) is not None:  # compiled and loaded (not a future)
+                self._compiled[key] = compiled
+            return compiled
+        if callable(grid):
+            grid = grid(bound_args)
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            current_stream(device), compiled.function, compiled.packed_metadata,
+            None, None, None,  # launch metadata and hooks: none installed (checked above)
+            *bound_args.values(),
+        )
+        return compiled
+
+
+# Triton versions whose JITFunction binder and CompiledKernel.run signatures DirectLauncher was
+# checked against (str.startswith prefixes).
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+_DIRECT_LAUNCHERS: dict[int, Any] = {}
+
+
+@functools.cache
+def _triton_launch_state():
+    """What JITFunction.run asks Triton for on every launch: the current device and stream
+    getters of the active driver, and the runtime knobs (launch hooks)."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime
 
 
 def row_tile(n_rows: int, n_cols: int, tile_elements: int, max_block_n: int | None = None) -> tuple[int, int, int]:

@@ -1,0 +1,108 @@
+"""runtime.launchable / DirectLauncher: the direct launch of a compiled kernel must run exactly what
+JITFunction.run would (one compiled kernel per specialisation) and step aside for launch hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_lab.shared import runtime
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+@triton.jit
+def _scaled_copy_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * scale, mask=mask)
+
+
+def test_launchable_wraps_only_traced_launches():
+    launcher = runtime.launchable(_scaled_copy_kernel, traced=False)
+    if runtime.DirectLauncher.supports(_scaled_copy_kernel):
+        assert isinstance(launcher, runtime.DirectLauncher) and launcher.kernel is _scaled_copy_kernel
+    else:  # CPU, the interpreter, or a Triton version the direct launch was not checked against
+        assert launcher is _scaled_copy_kernel
+    assert runtime.launchable(_scaled_copy_kernel, traced=False) is launcher  # one per kernel
+    # Under TRITON_INTERPRET=1 wrap_triton hands back the interpreted kernel itself; compare with it.
+    traced = runtime.launchable(_scaled_copy_kernel, traced=True)
+    assert type(traced) is type(torch.library.wrap_triton(_scaled_copy_kernel))
+
+
+def _direct_launcher():
+    if not runtime.DirectLauncher.supports(_scaled_copy_kernel):
+        pytest.skip(f"direct launch not used with triton {triton.__version__} (checked: "
+                    f"{runtime.DIRECT_LAUNCH_TRITON}) or KERNEL_LAB_DIRECT_LAUNCH=0")
+    return runtime.DirectLauncher(_scaled_copy_kernel)  # a fresh one: an empty cache
+
+
+def _launch(launcher, x, y, scale=3.0, block=128):
+    return launcher[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](x, y, x.numel(), scale, BLOCK=block)
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_each_specialisation(monkeypatch):
+    """Sizes equal to 1, multiples of 16 and neither, pointers 16-byte aligned and not: each a
+    different specialisation (a kernel compiled for aligned pointers or n % 16 == 0 would be wrong
+    for the others); the second launch of each runs the cached kernel, not JITFunction.run."""
+    launcher = _direct_launcher()
+    buf_x = torch.randn(4200, device="cuda")
+    buf_y = torch.full((4200,), float("nan"), device="cuda")
+    cases = [(n, off) for n in (1, 16, 1000, 4096) for off in (0, 1)]
+    compiled = {}
+    for n, off in cases:
+        x, y = buf_x[off:off + n], buf_y[off:off + n]
+        compiled[n, off] = _launch(launcher, x, y)  # first launch of the key: JITFunction.run
+        torch.testing.assert_close(y, x * 3.0, rtol=0, atol=0)
+    # n in {1, a multiple of 16, neither} x pointers {16-byte aligned, not}: 16 and 4096 share
+    assert len(set(map(id, compiled.values()))) == 6, "one compiled kernel per specialisation"
+    assert len(launcher._compiled) == len(set(map(id, compiled.values())))
+
+    def no_jit_run(*args, **kwargs):
+        raise AssertionError("a seen specialisation went through JITFunction.run")
+
+    monkeypatch.setattr(_scaled_copy_kernel, "run", no_jit_run)
+    for n, off in cases:
+        x, y = buf_x[off:off + n], buf_y[off:off + n]
+        y.fill_(float("nan"))
+        assert _launch(launcher, x, y, scale=-0.5) is compiled[n, off]
+        torch.testing.assert_close(y, x * -0.5, rtol=0, atol=0)
+    assert torch.isnan(buf_y[4097:]).all(), "wrote past the end"
+
+
+@pytest.mark.gpu
+def test_direct_launch_steps_aside_for_launch_hooks():
+    launcher = _direct_launcher()
+    x = torch.randn(300, device="cuda")
+    y = torch.empty_like(x)
+    _launch(launcher, x, y)
+    seen = []
+    hook = seen.append
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch(launcher, x, y, scale=2.0)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1, "the launch hook must see the launch (JITFunction.run path)"
+    torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_direct_launch_follows_the_current_stream():
+    launcher = _direct_launcher()
+    x = torch.randn(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    _launch(launcher, x, y)  # compile
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # captured into a graph: only launches on the capturing (current) stream are recorded
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            _launch(launcher, x, y, scale=5.0)
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x * 5.0, rtol=0, atol=0)
