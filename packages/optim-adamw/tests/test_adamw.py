@@ -62,7 +62,7 @@ def _assert_matches_torch(ours, theirs, opt, topt, name):
     def check(got, want, what):
         want = want.detach()
         testing.assert_close_to_reference(
-            got.detach(), want, atol=1e-6 * max(1.0, float(want.abs().max())), name=what
+            got.detach(), want, atol=1e-6 * max(1.0, float(want.abs().max()) if want.numel() else 0.0), name=what
         )
 
     for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
@@ -407,6 +407,25 @@ def test_adamw_grads_updated_in_place_and_replaced_between_steps(kernel_device, 
 
 
 @pytest.mark.interpret
+def test_adamw_kernel_counts_each_tensors_step_once_per_step(kernel_device, seed):
+    """The kernel increments the step counts itself (one write per tensor, by the last of its
+    programs): after k steps every count is k, for tensors of one, several and no programs, and
+    each step's update used its own count (the params follow torch's)."""
+    sizes = [0, 1, 256, 257, 1025, 3000]  # programs of 256 elements under the interpreter
+    params = [torch.nn.Parameter(testing.randn(n, device=kernel_device, seed=seed + i)) for i, n in enumerate(sizes)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, topt = AdamW(params, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    for k in range(1, 4):
+        for i, (p, q) in enumerate(zip(params, theirs, strict=True)):
+            p.grad = testing.randn(p.numel(), device=kernel_device, seed=seed + 10 * k + i)
+            q.grad = p.grad.clone()
+        opt.step()
+        topt.step()
+        assert [float(opt.state[p]["step"]) for p in params] == [float(k)] * len(sizes)
+    _assert_matches_torch(params, theirs, opt, topt, "param")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("tensor_steps", [False, True])
 def test_adamw_step_functional_matches_reference(kernel_device, seed, tensor_steps):
     """adamw_step_ with mixed param dtypes (two launches) and an int step or step tensors."""
@@ -493,6 +512,15 @@ def test_adamw_step_rejects_bad_inputs(change, error, match):
     args = [kwargs.pop(k) for k in ("params", "grads", "exp_avgs", "exp_avg_sqs")]
     with pytest.raises(error, match=match):
         adamw_step_(*args, **kwargs)
+
+
+def test_adamw_step_rejects_one_step_tensor_for_two_params():
+    count = torch.zeros(())
+    params = [torch.zeros(4), torch.zeros(3)]
+    with pytest.raises(ValueError, match="step tensors must be distinct"):
+        adamw_step_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                    [torch.zeros_like(p) for p in params], step=[count, count], lr=1e-3, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.0)
 
 
 def test_adamw_optimizer_rejects_bad_hyperparameters_and_sparse_grads():

@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 # Rows of the pointer table: per tensor and row, the int64 byte offset of the tensor's data from
-# the table's own first byte (see _tensor_pointer and ops._ptr_table).
+# the table's own first byte (see _tensor_pointer and ops._ptr_table); the last row is not an
+# address but a counter per tensor (see _next_step), zero between launches.
 # (constexpr globals: a @triton.jit function may only read globals that are tl.constexpr).
 ROW_PARAM = tl.constexpr(0)
 ROW_GRAD = tl.constexpr(1)
@@ -13,7 +14,8 @@ ROW_EXP_AVG_SQ = tl.constexpr(3)
 ROW_MAX_EXP_AVG_SQ = tl.constexpr(4)
 ROW_MASTER = tl.constexpr(5)
 ROW_STEP = tl.constexpr(6)
-NUM_ROWS = 7
+ROW_ARRIVALS = tl.constexpr(7)
+NUM_ROWS = 8
 
 
 @triton.jit
@@ -53,6 +55,26 @@ def _tensor_pointer(ptr_table, row, num_tensors, t, DTYPE: tl.constexpr, ALIGNED
     if ALIGNED:
         offset = tl.multiple_of(offset, 16)
     return (ptr_table.to(tl.pointer_type(tl.int8)) + offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _next_step(ptr_table, num_tensors, t, num_chunks):
+    """Tensor t's step number for this update: its stored count + 1, as float32 (torch.optim
+    increments the count, then updates); the count in memory is incremented too, in this launch.
+
+    Every program of tensor t reads the count, so only the last of them may write it: each
+    counts itself in on the tensor's counter after its read (acq_rel: the read happens before
+    the count, and the last one's write after every count), and the program that completes the
+    count stores count + 1 and re-arms the counter to zero for the next launch. This replaces a
+    separate increment launch (torch's fused AdamW runs a `_foreach_add_` before its kernel).
+    """
+    step_ptr = _tensor_pointer(ptr_table, ROW_STEP, num_tensors, t, tl.float32, False)
+    step = tl.load(step_ptr) + 1.0
+    arrivals = ptr_table + ROW_ARRIVALS * num_tensors + t
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_chunks - 1:
+        tl.store(step_ptr, step)
+        tl.store(arrivals, 0)
+    return step
 
 
 @triton.jit
@@ -99,14 +121,15 @@ def _update_block(
 
 @triton.jit
 def _adamw_multi_tensor_kernel(
-    ptr_table,  # int64 [7, num_tensors]: byte offsets from ptr_table of param, grad, exp_avg, exp_avg_sq,
-    #             max_exp_avg_sq, master, step
+    ptr_table,  # int64 [8, num_tensors]: byte offsets from ptr_table of param, grad, exp_avg, exp_avg_sq,
+    #             max_exp_avg_sq, master, step; then the step counters' arrival counts (zeros)
     numels,  # int64 [num_tensors]
     work_table,  # int64 [num_programs]: (tensor index << 32) | chunk index within that tensor
     num_tensors,
     lr,  # float learning rate (LR_FROM_PTR=False)
     lr_ptr,  # 1-element tensor holding the learning rate (LR_FROM_PTR=True)
-    step,  # float 1-based step number (STEP_FROM_PTR=False); else each tensor's step is read from ROW_STEP
+    step,  # float 1-based step number (STEP_FROM_PTR=False); else each tensor's step count is
+    #        read from ROW_STEP, and incremented (_next_step)
     beta1,
     beta2,
     one_minus_beta1,  # 1 - beta1 computed in float64 on the host: fp32(1 - fp32(beta)) loses ~1e-5 for beta2=0.999
@@ -135,7 +158,8 @@ def _adamw_multi_tensor_kernel(
     work = tl.load(work_table + tl.program_id(0))
     t = work >> 32
     start = (work & 0xFFFFFFFF) * CHUNK  # int64: a tensor may exceed 2**31 elements
-    end = tl.minimum(start + CHUNK, tl.load(numels + t))
+    numel = tl.load(numels + t)
+    end = tl.minimum(start + CHUNK, numel)
 
     p_ptr = _tensor_pointer(ptr_table, ROW_PARAM, num_tensors, t, PARAM_DTYPE, ALIGNED)
     g_ptr = _tensor_pointer(ptr_table, ROW_GRAD, num_tensors, t, GRAD_DTYPE, ALIGNED)
@@ -143,8 +167,8 @@ def _adamw_multi_tensor_kernel(
     v_ptr = _tensor_pointer(ptr_table, ROW_EXP_AVG_SQ, num_tensors, t, STATE_DTYPE, ALIGNED)
 
     if STEP_FROM_PTR:
-        step_ptr = _tensor_pointer(ptr_table, ROW_STEP, num_tensors, t, tl.float32, False)
-        step64 = tl.load(step_ptr).to(tl.float64)
+        num_chunks = tl.maximum(tl.cdiv(numel, CHUNK), 1)  # an empty tensor has one program (ops._work_tables)
+        step64 = _next_step(ptr_table, num_tensors, t, num_chunks).to(tl.float64)
     else:
         step64 = tl.cast(step, tl.float64)
     if LR_FROM_PTR:

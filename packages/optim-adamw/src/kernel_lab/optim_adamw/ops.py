@@ -6,16 +6,17 @@ Call path: `adamw_step_(...)` (and `AdamW.step()`) checks its inputs, then
 - under torch.compile calls `torch.ops.kernel_lab.adamw_step_`, a `custom_op` that mutates its
   list arguments in place, so the graph has no break.
 
-How one launch covers many tensors: a pointer table (int64 [7, T]: where each tensor's param,
+How one launch covers many tensors: a pointer table (int64 [8, T]: where each tensor's param,
 grad, exp_avg, exp_avg_sq, max_exp_avg_sq, master copy and step are, as byte offsets from the
-table itself, so that the kernel's pointers keep a known alignment) and a work
+table itself, so that the kernel's pointers keep a known alignment; then a zeroed counter per
+tensor, with which the kernel increments the step counts itself) and a work
 table (one int64 per program: tensor index << 32 | chunk index) live on the device. Each
 program reads its entry, casts the addresses to typed pointers and updates CHUNK elements.
 Both tables depend only on the addresses and sizes, so they are cached by those: a training
 loop whose gradients come back at the same addresses (the caching allocator's usual
 behaviour) copies no table after the first step, and a CUDA graph replays the tables it
-captured. One launch per (device, param dtype, grad dtype, state dtype) in a call, plus one
-`torch._foreach_add_` for the step counters.
+captured. One launch per (device, param dtype, grad dtype, state dtype) in a call, nothing else
+(torch's fused AdamW adds a `_foreach_add_` launch for the step counts).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def _work_tables(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
 
     def build():
         sizes = np.asarray(numels, dtype=np.int64)
-        chunks = -(-sizes // chunk)
+        # an empty tensor gets a program too: it updates nothing but counts the step (_next_step)
+        chunks = np.maximum(-(-sizes // chunk), 1)
         tensor_index = np.repeat(np.arange(len(sizes), dtype=np.int64), chunks)
         first = np.repeat(np.cumsum(chunks) - chunks, chunks)
         chunk_index = np.arange(int(chunks.sum()), dtype=np.int64) - first
@@ -192,7 +194,7 @@ def _launch_bucket(
     if num_programs == 0:
         return
     ptrs, aligned = _ptr_table(b, device)
-    _adamw_multi_tensor_kernel[(num_programs,)](
+    runtime.launchable(_adamw_multi_tensor_kernel, False)[(num_programs,)](
         ptrs, numels, work, len(b.params),
         float(lr), lr_tensor if lr_tensor is not None else ptrs, float(step),
         beta1, beta2, 1.0 - beta1, 1.0 - beta2,
@@ -259,14 +261,15 @@ def adamw_step_launch(
     """Launcher: one AdamW update of every tensor, in place. Assumes checked inputs.
 
     `steps` (float32 scalars on the params' device) are incremented first and then used, as
-    torch.optim does; without them the 1-based `step` is used for every tensor. A `None` entry
-    in `master_params` means "no master copy" for that tensor (float32 params).
+    torch.optim does (by the kernel itself, see _kernels._next_step); without them the 1-based
+    `step` is used for every tensor. A `None` entry in `master_params` means "no master copy"
+    for that tensor (float32 params).
     """
     if not params:
         return
-    if steps is not None:
-        torch._foreach_add_(list(steps), 1.0)
     if not runtime.uses_triton(params[0]):
+        if steps is not None:
+            torch._foreach_add_(list(steps), 1.0)
         masters = None if master_params is None else list(master_params)
         for i in range(len(params)):
             _reference_step(
@@ -349,6 +352,7 @@ def _adamw_step_op(
     amsgrad: bool,
     maximize: bool,
 ) -> None:
+    check_distinct_steps(steps, "adamw_step_")
     adamw_step_launch(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None, master_params or None,
         steps or None, step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
@@ -398,6 +402,13 @@ def is_dense(t: torch.Tensor) -> bool:
 def _sorted_dims(t: torch.Tensor) -> list[tuple[int, int]]:
     """(stride, size) of the dims of size > 1, innermost first."""
     return sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1)
+
+
+def check_distinct_steps(steps: Sequence[torch.Tensor], name: str) -> None:
+    """ValueError when two params share a step tensor: the kernel increments each tensor's count
+    once per launch (_kernels._next_step), for its own param."""
+    if len({s.data_ptr() for s in steps}) != len(steps):
+        raise ValueError(f"{name}: the step tensors must be distinct (one count per param, each incremented once)")
 
 
 def check_hyperparameters(lr, beta1, beta2, eps, weight_decay, *, name: str) -> None:
@@ -497,12 +508,12 @@ def adamw_step_(
     shapes and layouts. master_params: optional float32 copies of low-precision params (None entries allowed):
     the update reads and writes the master copy and stores its rounding into the param.
     step: the 1-based number of this update for every tensor, or a list of float32 scalar
-    tensors on the params' device (one per param) that is incremented first, then used, so
-    the call can be captured in a CUDA graph. lr: a float or a 1-element tensor (read on the
+    tensors on the params' device (one per param, distinct) that is incremented first, then
+    used, so the call can be captured in a CUDA graph. lr: a float or a 1-element tensor (read on the
     device at run time, e.g. from a scheduler inside a CUDA graph).
 
-    One Triton launch per (device, param dtype, grad dtype, state dtype), plus one for the step
-    counters.
+    One Triton launch per (device, param dtype, grad dtype, state dtype); it increments the step
+    counters too.
     Raises TypeError for wrong types/dtypes (sparse grads included) and ValueError for
     mismatched lengths, shapes, devices or layouts and for out-of-range hyper-parameters.
     """
@@ -548,6 +559,8 @@ def adamw_step_(
             s = steps[i]
             if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
                 raise ValueError(f"{name}: step[{i}] must be a 1-element float32 tensor on {device}")
+    if steps is not None and not torch.compiler.is_compiling():  # (compiled: the op checks, see _adamw_step_op)
+        check_distinct_steps(steps, name)
     if isinstance(lr, torch.Tensor) and n and lr.device != device and lr.device.type != "cpu":
         raise ValueError(f"{name}: lr is on {lr.device}, params on {device}")
     lr_value, lr_tensor = _split_lr(lr, device)
