@@ -108,6 +108,15 @@ def _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2: tl.constexpr,
 
 
 @triton.jit
+def _coop_stats(work_ptr, n_rows, n_splits, i):
+    """The i-th float32 (n_rows, n_splits) statistics array of a cooperative launch's workspace
+    (int32 zeros: the ticket counter, one arrival count per row, then the statistics arrays),
+    laid out by the launcher as one allocation so that it costs one zero-fill and no views."""
+    base = work_ptr + 1 + n_rows + i * n_rows * n_splits
+    return base.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _coop_ticket(sync_ptr, n_splits):
     """(row, split) of this program, in the order programs started (see the module docstring)."""
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
@@ -128,14 +137,17 @@ def _coop_arrive_and_wait(sync_ptr, row, n_splits):
 
 @triton.jit
 def _softmax_fwd_coop_kernel(
-    x_ptr, y_ptr, max_ptr, sum_ptr,  # max/sum: (n_rows, n_splits) float32 chunk statistics
-    sync_ptr,  # int32 zeros: [0] the ticket counter, [1 + row] programs of `row` that arrived
-    n_cols, stride_x_row, stride_y_row,
+    x_ptr, y_ptr,
+    sync_ptr,  # int32 zeros: [0] the ticket counter, [1 + row] programs of `row` that arrived, then
+    #            the chunk maxima and sums, float32 (n_rows, n_splits) each (_coop_stats)
+    n_rows, n_cols, stride_x_row, stride_y_row,
     n_splits,
     LOG: tl.constexpr,
     CHUNK: tl.constexpr,  # columns per program, held in registers from load to store
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
 ):
+    max_ptr = _coop_stats(sync_ptr, n_rows, n_splits, 0)
+    sum_ptr = _coop_stats(sync_ptr, n_rows, n_splits, 1)
     row, split = _coop_ticket(sync_ptr, n_splits)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
@@ -266,14 +278,15 @@ def _softmax_bwd_rows_kernel(
 
 @triton.jit
 def _softmax_bwd_coop_kernel(
-    y_ptr, dy_ptr, dx_ptr, dot_ptr,  # dot: (n_rows, n_splits) float32 chunk reductions
-    sync_ptr,  # as in the forward
-    n_cols, stride_y_row, stride_dy_row, stride_dx_row,
+    y_ptr, dy_ptr, dx_ptr,
+    sync_ptr,  # as in the forward, with one statistics array: the chunks' reductions
+    n_rows, n_cols, stride_y_row, stride_dy_row, stride_dx_row,
     n_splits,
     LOG: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
 ):
+    dot_ptr = _coop_stats(sync_ptr, n_rows, n_splits, 0)
     row, split = _coop_ticket(sync_ptr, n_splits)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols

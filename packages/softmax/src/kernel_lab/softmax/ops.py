@@ -119,16 +119,13 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def _coop_workspace(n_rows: int, n_splits: int, n_stats: int, device: torch.device):
-    """The cooperative kernels' scratch, zeroed in one allocation (one memset launch).
-
-    Returns the int32 sync counters (1 + n_rows: the ticket, then one arrival count per row) and
-    `n_stats` float32 (n_rows, n_splits) views for the chunk statistics.
+def _coop_workspace(n_rows: int, n_splits: int, n_stats: int, device: torch.device) -> torch.Tensor:
+    """The cooperative kernels' scratch, zeroed: int32 sync counters (1 + n_rows: the ticket,
+    then one arrival count per row) and `n_stats` float32 (n_rows, n_splits) arrays of chunk
+    statistics, in one allocation the kernel slices itself (`_coop_stats`): one zero-fill
+    launch and no view ops on the host path.
     """
-    stats = n_rows * n_splits
-    work = torch.zeros(1 + n_rows + n_stats * stats, dtype=torch.int32, device=device)
-    floats = work[1 + n_rows:].view(torch.float32)
-    return work[: 1 + n_rows], [floats[i * stats:(i + 1) * stats].view(n_rows, n_splits) for i in range(n_stats)]
+    return torch.zeros(1 + n_rows + n_stats * n_rows * n_splits, dtype=torch.int32, device=device)
 
 
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
@@ -151,9 +148,9 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        sync, (part_max, part_sum) = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
+        work = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
-            x2, y2, part_max, part_sum, sync, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
+            x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
@@ -196,9 +193,9 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        sync, (part_dot,) = _coop_workspace(n_rows, plan.n_splits, 1, y.device)
+        work = _coop_workspace(n_rows, plan.n_splits, 1, y.device)
         runtime.launchable(_softmax_bwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
-            y2, dy2, dx2, part_dot, sync, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
+            y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
             num_warps=plan.num_warps,
         )
