@@ -3,4 +3,4 @@
 Submodules: `runtime`, `reference`, `testing`, `bench`, `shapes`, `pytest_plugin`.
 """
 
-__version__ = "0.1.3"
+__version__ = "0.1.4"
