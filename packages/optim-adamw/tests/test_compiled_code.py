@@ -11,9 +11,12 @@ so one test reruns this file in a subprocess with the interpreter off.
 import collections
 
 import pytest
+import torch
 import triton.language as tl
 
 from kernel_lab.shared import testing
+
+_TORCH_DTYPES = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +39,7 @@ def _memory_instructions(param_dtype, state_dtype, aligned: bool) -> collections
              **dict.fromkeys(scalars, "fp32")}
     constexprs = dict(PARAM_DTYPE=param_dtype, GRAD_DTYPE=param_dtype, STATE_DTYPE=state_dtype, AMSGRAD=False,
                       MAXIMIZE=False, MASTER=False, LR_FROM_PTR=False, STEP_FROM_PTR=True, ALIGNED=aligned,
-                      CHUNK=ops.CHUNK, BLOCK=ops.BLOCK)
+                      CHUNK=ops.gpu_chunk(_TORCH_DTYPES[state_dtype]), BLOCK=ops.BLOCK)
     compiled = testing.compile_for_sm90(_kernels._adamw_multi_tensor_kernel, types, constexprs,
                                         num_warps=ops.NUM_WARPS, num_stages=3, aligned=True)
     return collections.Counter(i.split()[0] for i in testing.sass_instructions(compiled)

@@ -63,17 +63,19 @@ def _next_step(ptr_table, num_tensors, t, num_chunks):
     increments the count, then updates); the count in memory is incremented too, in this launch.
 
     Every program of tensor t reads the count, so only the last of them may write it: each
-    counts itself in on the tensor's counter after its read (acq_rel: the read happens before
-    the count, and the last one's write after every count), and the program that completes the
-    count stores count + 1 and re-arms the counter to zero for the next launch. This replaces a
-    separate increment launch (torch's fused AdamW runs a `_foreach_add_` before its kernel).
+    counts itself in on the tensor's counter after its read (release: the read happens before
+    the count), and the program that completes the count re-arms the counter to zero for the
+    next launch (acquire: it has seen every count, so every read, before its write) and stores
+    count + 1. Only that program pays for the acquire (an L1 invalidation; acq_rel on every
+    program's count cost up to 10% of a 1B-parameter bfloat16-state step on an H200). This
+    replaces a separate increment launch (torch's fused AdamW runs a `_foreach_add_` first).
     """
     step_ptr = _tensor_pointer(ptr_table, ROW_STEP, num_tensors, t, tl.float32, False)
     step = tl.load(step_ptr) + 1.0
     arrivals = ptr_table + ROW_ARRIVALS * num_tensors + t
-    if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_chunks - 1:
+    if tl.atomic_add(arrivals, 1, sem="release") == num_chunks - 1:
+        tl.atomic_xchg(arrivals, 0, sem="acquire")
         tl.store(step_ptr, step)
-        tl.store(arrivals, 0)
     return step
 
 

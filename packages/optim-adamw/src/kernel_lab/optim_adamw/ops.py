@@ -60,6 +60,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # with 16 elements per thread at 4 warps, ran 10-30% slower. Four loop iterations hide the
 # per-program prologue (three dependent table loads and the float64 bias corrections).
 CHUNK = 4096
+# bfloat16 moments: 14 B per bf16 parameter instead of 22-28, so twice the elements per program
+# for about the same bytes, and half the programs (prologues and step-count atomics): 2-4%
+# faster than 4096 at 100M and 1B bf16 params (H200), where float32 state ran 2% slower at 8192.
+BF16_STATE_CHUNK = 8192
 BLOCK = 1024
 NUM_WARPS = 8
 # The interpreter runs a program at a time on the CPU: small chunks make the small test
@@ -183,13 +187,18 @@ def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
     return _cached(_PTR_CACHE, key, build)
 
 
+def gpu_chunk(state_dtype: torch.dtype) -> int:
+    """Elements per program of a CUDA launch whose moments are `state_dtype`."""
+    return BF16_STATE_CHUNK if state_dtype == torch.bfloat16 else CHUNK
+
+
 def _launch_bucket(
     b: _Bucket, *, step: float, lr: float, lr_tensor: torch.Tensor | None, beta1: float, beta2: float,
     eps: float, weight_decay: float, maximize: bool,
 ) -> None:
     device = b.params[0].device
     interpret = device.type != "cuda"
-    chunk, block = (INTERPRET_CHUNK, INTERPRET_BLOCK) if interpret else (CHUNK, BLOCK)
+    chunk, block = (INTERPRET_CHUNK, INTERPRET_BLOCK) if interpret else (gpu_chunk(b.exp_avgs[0].dtype), BLOCK)
     numels, work, num_programs = _work_tables(tuple(p.numel() for p in b.params), chunk, device)
     if num_programs == 0:
         return
