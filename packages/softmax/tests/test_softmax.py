@@ -29,6 +29,7 @@ def small_blocks(monkeypatch):
     interpreter, the cooperative kernel (with many chunks per row) on CUDA."""
 
     def shrink(max_fused: int, loop_block: int) -> None:
+        monkeypatch.setattr(ops, "_PLANS", {})  # plans made with the other thresholds
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK"):

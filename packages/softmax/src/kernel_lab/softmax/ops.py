@@ -76,7 +76,28 @@ class _Plan:
     chunk: int = 0
 
 
+# Plans by their arguments: building one costs a few microseconds of host arithmetic and device
+# queries, a lookup well under one (a small call's latency is its host path). The module
+# constants _make_plan reads (ROWS_TILE, SPLIT_*, LOOP_NUM_WARPS) are not in the key: code that
+# changes them (the tests' small_blocks fixture) clears _PLANS. Plans are never modified.
+_PLANS: dict[tuple, _Plan] = {}
+_PLANS_MAX = 4096
+
+
 def _plan(
+    n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
+    coop_chunk: int, coop_num_warps: int,
+) -> _Plan:
+    key = (n_rows, n_cols, max_fused_cols, device, loop_block_n, coop_chunk, coop_num_warps)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(*key)
+    return plan
+
+
+def _make_plan(
     n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int,
 ) -> _Plan:
