@@ -91,6 +91,8 @@ def _plan(
     coop_chunk: int, coop_num_warps: int,
 ) -> _Plan:
     key = (n_rows, n_cols, max_fused_cols, device, loop_block_n, coop_chunk, coop_num_warps)
+    if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
+        return _make_plan(*key)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
