@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from kernel_lab.optim_adamw import AdamW, adamw_step_
 from kernel_lab.shared import reference, runtime, testing
@@ -557,6 +558,31 @@ def test_adamw_reference_backend_matches_torch(monkeypatch, seed):
         opt.step()
         topt.step()
     _assert_matches_torch(ours, theirs, opt, topt, "reference backend")
+
+
+def test_adamw_step_hooks_and_profiler_label_as_torch_optimizers():
+    """step() calls the update directly only when no step hook is installed and no profiler is on;
+    otherwise through torch's wrapper: hooks run, and profiles show the usual step label."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = AdamW([p], lr=0.1)
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt))),
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt))),
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("global", o is opt))),
+    ]
+    opt.step()
+    assert calls == [("global", True), ("pre", True), ("post", True)]
+    for h in handles:
+        h.remove()
+    calls.clear()
+    opt.step()
+    assert calls == [] and float(opt.state[p]["step"]) == 2.0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert "Optimizer.step#AdamW.step" in {e.key for e in prof.key_averages()}
+    assert float(opt.state[p]["step"]) == 3.0
 
 
 def test_adamw_zero_grad_and_closure():

@@ -6,6 +6,7 @@ import weakref
 from itertools import chain
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from . import ops
 
@@ -120,9 +121,33 @@ class AdamW(torch.optim.Optimizer):
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
         return state
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW update of every parameter that has a gradient; returns closure's loss."""
+        """One AdamW update of every parameter that has a gradient; returns closure's loss.
+
+        Step hooks (this optimizer's and torch.optim's global ones) and the profiler label
+        "Optimizer.step#AdamW.step" work as for any torch optimizer: torch's own wrapper runs
+        whenever one is installed or a profiler is on. Otherwise the update is called directly:
+        the wrapper's record_function costs about 19 us of host time per step on the lent H200
+        host (measured: 73 -> 54 us for 8 tensors), and a small model's step is bound by host work.
+        """
+        if closure is None:
+            return self._update() if not self._step_hooks_or_profiler() else self._hooked_update()
+        return self._hooked_update(closure)
+
+    # torch.optim.Optimizer wraps `step` in its profiling/hooks wrapper unless it is marked as
+    # already wrapped; `step` above dispatches to the wrapped form itself.
+    step.hooked = True
+
+    def _step_hooks_or_profiler(self) -> bool:
+        return bool(
+            torch._C._autograd._profiler_enabled()
+            or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+            or getattr(torch_optimizer, "_global_optimizer_pre_hooks", True)  # (absent: assume hooks)
+            or getattr(torch_optimizer, "_global_optimizer_post_hooks", True)
+        )
+
+    @torch.no_grad()
+    def _update(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -146,6 +171,10 @@ class AdamW(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
                 )
         return loss
+
+    # torch's wrapper (record_function, step pre/post hooks) around the same update; named
+    # "Optimizer.step#AdamW.step" in profiles, like the step of any torch optimizer.
+    _hooked_update = torch.optim.Optimizer.profile_hook_step(_update)
 
     def _checked_grads(self, gi: int, device, params: list[torch.Tensor], index: list[int]) -> list[torch.Tensor]:
         """The params' grads, checked, in the params' memory layout.
