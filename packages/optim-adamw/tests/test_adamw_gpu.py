@@ -225,6 +225,11 @@ def test_bfloat16_params_and_state_follow_torch_fused(seed):
         for p, q in zip(ours, theirs, strict=True):
             g = torch.empty_like(p).normal_(0, 1e-3, generator=gen)
             p.grad, q.grad = g, g.clone()
+            if step > 1:  # restart from torch's values (see above)
+                with torch.no_grad():
+                    p.copy_(q)
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        opt.state[p][k].copy_(topt.state[q][k])
         before = [{"param": p.detach().clone(), **{k: opt.state[p].get(k, torch.zeros_like(p)).clone()
                                                    for k in ("exp_avg", "exp_avg_sq")}} for p in ours]
         opt.step()
