@@ -30,10 +30,8 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "LAYER_NORM_BWD_MAX_FUSED_COLS", max_fused)
-        monkeypatch.setattr(ops, "LOOP_BLOCK_N", loop_block)
-        monkeypatch.setattr(ops, "LOOP_NUM_WARPS", 2)
-        monkeypatch.setattr(ops, "WIDE_BLOCK_N", loop_block)
-        monkeypatch.setattr(ops, "WIDE_NUM_WARPS", 2)
+        for loop in ("RMS_LOOP", "LAYER_NORM_LOOP", "RMS_WIDE", "LAYER_NORM_WIDE"):
+            monkeypatch.setattr(ops, loop, ops._Loop(loop_block, 2, 4))
 
     return shrink
 
@@ -93,9 +91,26 @@ def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel
     # and take the wide two-phase backward; 9 rows over 4 stand-in SMs x 4 programs leave some
     # programs without rows
     small_blocks(64, 32)
-    assert ops._tile(n_rows, n_cols, ops.FWD_MAX_FUSED_COLS).one_tile is False
+    assert ops._fwd_tile(n_rows, n_cols, ops.RMS_LOOP).one_tile is False
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, kernel_device, seed, weight_dtype=torch.float32,
                          shift=3.0 if op == "layer_norm" else 0.0)
+    check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_device, seed):
+    """Each program of the one-tile backward strides over row blocks and accumulates dweight
+    across them; LayerNorm's prefetches the next block, masked past the last row. 2-row blocks
+    over 4 programs: 9 blocks each, the last block half full."""
+    monkeypatch.setattr(ops, "RMS_BWD_TILE_ELEMENTS", 128)
+    monkeypatch.setattr(ops, "LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS", 128)
+    monkeypatch.setattr(ops, "BWD_WARPS_PER_SM", 1)
+    t = ops._bwd_tile(71, 40, ops.BWD_MAX_FUSED_COLS, ops.RMS_WIDE, 128, ops.RMS_BWD_VALUES_PER_THREAD)
+    assert (t.one_tile, t.block_m) == (True, 2)
+    assert ops._bwd_programs(t, 71, torch.device(kernel_device), ops.RMS_WIDE)[0] == runtime.sm_count(
+        torch.device(kernel_device))
+    inputs = make_inputs(op, (71, 40), torch.float32, kernel_device, seed, shift=1.0 if op == "layer_norm" else 0.0)
     check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
 
 

@@ -36,31 +36,30 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Longest row held in registers in one pass. 16384 float32 values over 32 warps is 16 values
 # per thread; longer rows loop over the row twice (second read from L2).
 FWD_MAX_FUSED_COLS = 16384
-# The backward holds x, dy and the dweight accumulator (the weight is re-read from L1 per row
-# to save registers): 3 x 16 values per thread at 16384 columns and 32 warps. At 16384 columns
-# this one-tile path beat the wide one in a sweep on an H200 (bf16, 4096 rows).
+# Longest row of the one-tile backward, whose program keeps a dweight accumulator of the row's
+# width. RMSNorm's reads each tile twice instead of holding x and dy across the row reduction
+# and fits 16384 columns without spilling (16 warps, 128 registers): faster than the wide kernel
+# there on an H200 (bf16, 4096 rows). LayerNorm's also holds the mean and the dbias accumulator:
+# past 8192 columns it spills and the wide kernel is faster.
 BWD_MAX_FUSED_COLS = 16384
-# LayerNorm's one-tile backward also holds the mean and both weight-gradient accumulators: past
-# 8192 columns the wide kernel was faster on an H200 (bf16, 4096 x 16384), RMSNorm's was not.
 LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
 # (Tried and dropped: software-pipelining the one-tile backward's row loop, tl.range with
 # num_stages=2, which stages the next row block in shared memory. On an H200 it was slower for
-# rms_norm and layer_norm at every width from 2048 to 16384 columns, 8192 and 16384 included,
-# where one program per SM was expected to gain most.)
-# Elements one program of a one-tile kernel handles: short rows are batched BLOCK_M at a time
+# rms_norm and layer_norm at every width from 2048 to 16384 columns. The LayerNorm kernel's
+# prefetch into registers is what won.)
+# Elements one program of a one-tile forward handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency.
 ROWS_TILE = 4096
-# Columns per loop step (and warps) of the looped forward and of the wide backward, each the
-# fastest of (4096, 8) and (8192, 16) on an H200 at 1024 x 65536 bf16.
-LOOP_BLOCK_N, LOOP_NUM_WARPS = 8192, 16
-WIDE_BLOCK_N, WIDE_NUM_WARPS = 4096, 8
-# Warps of persistent backward programs per SM: 64, all an SM can hold (16 and 32 were slower
-# on an H200 at 16384 x 4096 bf16; the register file then caps what is resident).
-BWD_WARPS_PER_SM = 64
-# ... except for rows of LONG_ROW_COLS or more, whose programs hold so many values a thread that
-# fewer of them fit: there 32 warps per SM were faster for both norms on an H200 (bf16, 8192 and
-# 16384 columns), 64 leaving the extra programs to run as a second, partly idle wave.
-LONG_ROW_COLS, LONG_ROW_BWD_WARPS_PER_SM = 8192, 32
+# One-tile backward tiles, the fastest in an H200 sweep (bf16, 2**26 elements, 2048 to 16384
+# columns, BLOCK_M x warps x programs per SM): RMSNorm's at 32 values a thread and at least
+# 4096 elements a program; LayerNorm's at 16 values a thread and 2048 elements a program, except
+# rows of 4096 columns, two a program (10% faster there than one).
+RMS_BWD_VALUES_PER_THREAD, RMS_BWD_TILE_ELEMENTS = 32, 4096
+LAYER_NORM_BWD_VALUES_PER_THREAD, LAYER_NORM_BWD_TILE_ELEMENTS = 16, {4096: 8192}
+LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS = 2048
+# Warps of persistent one-tile backward programs per SM. With the tiles above every winner of
+# the sweep ran 16 warps per SM (more programs only queue: registers cap what is resident).
+BWD_WARPS_PER_SM = 16
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
 # per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and
@@ -68,18 +67,32 @@ LONG_ROW_COLS, LONG_ROW_BWD_WARPS_PER_SM = 8192, 32
 # H200 (bf16, 2**26 elements) 8 warps were faster than 16 and 32 at both 16384 and 8192
 # columns. RMSNorm, with fewer live values (32 registers at 32 warps), keeps the heuristic.
 LAYER_NORM_FWD_MAX_WARPS = 8
-# Programs per SM of the looped forward (0: one program per row), whose second pass re-reads the
-# rows in flight. On an H200 at 1024 x 65536 bf16, 4 per SM was the fastest of 4, 2 and one
-# program per row: fewer rows in flight fit the L2 better but keep fewer loads going.
-LOOP_PROGRAMS_PER_SM = 4
-# Programs per SM of the wide backward; each owns a contiguous block of rows, read twice. Two
-# beat one and four on an H200 at 1024 x 65536 bf16.
-WIDE_PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """How a kernel walks rows too long for registers: BLOCK_N columns a step over num_warps,
+    programs_per_sm programs per SM (the looped forward strides rows over them; the wide
+    backward gives each a contiguous block of rows)."""
+
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+# The fastest of (8192 | 16384 columns a step) x (8 | 16 | 32 warps) x (1 | 2 | 4 programs per
+# SM), per kernel, on an H200 at 1024 x 65536 bf16. Fewer programs keep the rows in flight (read
+# twice, the second time from L2) within the L2.
+RMS_LOOP = _Loop(16384, 32, 1)
+LAYER_NORM_LOOP = _Loop(16384, 16, 4)
+RMS_WIDE = _Loop(16384, 16, 1)
+LAYER_NORM_WIDE = _Loop(8192, 16, 1)
 
 
 @dataclass(frozen=True)
 class _Tile:
-    """How a one-tile kernel covers the rows: BLOCK_M rows of BLOCK_N columns per program."""
+    """How a kernel covers the rows: one tile (BLOCK_M rows of BLOCK_N >= n_cols columns per
+    program) or a loop over BLOCK_N-column steps, one row at a time."""
 
     one_tile: bool
     block_m: int
@@ -87,32 +100,42 @@ class _Tile:
     num_warps: int
 
 
-def _tile(n_rows: int, n_cols: int, max_fused_cols: int, backward: bool = False) -> _Tile:
-    if n_cols > max_fused_cols:
-        return _Tile(False, 1, *((WIDE_BLOCK_N, WIDE_NUM_WARPS) if backward else (LOOP_BLOCK_N, LOOP_NUM_WARPS)))
+def _fwd_tile(n_rows: int, n_cols: int, loop: _Loop) -> _Tile:
+    if n_cols > FWD_MAX_FUSED_COLS:
+        return _Tile(False, 1, loop.block_n, loop.num_warps)
     return _Tile(True, *runtime.row_tile(n_rows, n_cols, ROWS_TILE))
 
 
-def _fwd_grid(t: _Tile, n_rows: int, device: torch.device) -> tuple[int]:
-    """Grid of a forward kernel: one program per BLOCK_M rows (one tile), or programs striding
-    over the rows, at most LOOP_PROGRAMS_PER_SM per SM (0: one program per row)."""
+def _bwd_tile(n_rows: int, n_cols: int, max_fused_cols: int, wide: _Loop, tile_elements: int,
+              values_per_thread: int) -> _Tile:
+    """One tile of BLOCK_M rows, BLOCK_M * BLOCK_N about `tile_elements`, `values_per_thread`
+    of them a thread; or the wide kernel's loop past `max_fused_cols`."""
+    if n_cols > max_fused_cols:
+        return _Tile(False, 1, wide.block_n, wide.num_warps)
+    block_n = runtime.next_power_of_2(n_cols)
+    block_m = max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows)))
+    num_warps = min(32, max(1, block_m * block_n // (32 * values_per_thread)))
+    return _Tile(True, block_m, block_n, num_warps)
+
+
+def _fwd_grid(t: _Tile, n_rows: int, device: torch.device, loop: _Loop) -> tuple[int]:
+    """Grid of a forward kernel: one program per BLOCK_M rows (one tile), or
+    loop.programs_per_sm programs per SM striding over the rows."""
     if t.one_tile:
         return (runtime.cdiv(n_rows, t.block_m),)
-    if LOOP_PROGRAMS_PER_SM <= 0:
-        return (n_rows,)
-    return (min(n_rows, runtime.sm_count(device) * LOOP_PROGRAMS_PER_SM),)
+    return (min(n_rows, runtime.sm_count(device) * loop.programs_per_sm),)
 
 
-def _bwd_programs(t: _Tile, n_rows: int, device: torch.device) -> tuple[int, int]:
-    """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid, at most
-    BWD_WARPS_PER_SM warps per SM (LONG_ROW_BWD_WARPS_PER_SM for long rows), striding over
-    BLOCK_M-row blocks (rows_per_program is 0, unused). Wide: WIDE_PROGRAMS_PER_SM programs per
-    SM, each owning rows_per_program contiguous rows (the last program fewer)."""
+def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop) -> tuple[int, int]:
+    """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid of at most
+    BWD_WARPS_PER_SM warps per SM striding over BLOCK_M-row blocks (rows_per_program is 0,
+    unused); never more programs than blocks (the LayerNorm kernel loads its first block
+    before its loop). Wide: wide.programs_per_sm programs per SM, each owning rows_per_program
+    contiguous rows (the last program fewer)."""
     sms = runtime.sm_count(device)
     if t.one_tile:
-        warps_per_sm = LONG_ROW_BWD_WARPS_PER_SM if t.block_n >= LONG_ROW_COLS else BWD_WARPS_PER_SM
-        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, warps_per_sm // t.num_warps)), 0
-    rows_per_program = runtime.cdiv(n_rows, sms * WIDE_PROGRAMS_PER_SM)
+        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
+    rows_per_program = runtime.cdiv(n_rows, sms * wide.programs_per_sm)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
 
 
@@ -161,8 +184,8 @@ def rms_norm_fwd(
     r2 = x2 if residual is None else runtime.rows_view(residual)
     z2 = x2 if gate is None else runtime.rows_view(gate)
     u2 = y2 if u is None else u.view(-1, n_cols)
-    t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
-    runtime.launchable(_rms_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
+    t = _fwd_tile(n_rows, n_cols, RMS_LOOP)
+    runtime.launchable(_rms_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device, RMS_LOOP)](
         x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
         n_rows, n_cols, eps, offset,
         x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
@@ -212,8 +235,8 @@ def rms_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
     strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
-    t = _tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, backward=True)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device)
+    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, RMS_BWD_TILE_ELEMENTS, RMS_BWD_VALUES_PER_THREAD)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device, RMS_WIDE)
     partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
     if t.one_tile:
         runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
@@ -249,9 +272,9 @@ def layer_norm_fwd(
     if y.numel() == 0:
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
     y2 = y.view(-1, n_cols)
-    t = _tile(n_rows, n_cols, FWD_MAX_FUSED_COLS)
+    t = _fwd_tile(n_rows, n_cols, LAYER_NORM_LOOP)
     num_warps = min(t.num_warps, LAYER_NORM_FWD_MAX_WARPS) if t.one_tile else t.num_warps
-    runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device)](
+    runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device, LAYER_NORM_LOOP)](
         x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
         n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -288,8 +311,11 @@ def layer_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
-    t = _tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, backward=True)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device)
+    tile_elements = LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols),
+                                                     LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS)
+    t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, tile_elements,
+                  LAYER_NORM_BWD_VALUES_PER_THREAD)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device, LAYER_NORM_WIDE)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:
