@@ -103,14 +103,13 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
     """Each program of the one-tile backward strides over row blocks and accumulates dweight
     across them; LayerNorm's prefetches the next block, masked past the last row. 2-row blocks,
     one 1-warp program per SM: 9 blocks a program, the last block half full."""
-    monkeypatch.setattr(ops, "RMS_BWD_TILE_ELEMENTS", 128)
-    monkeypatch.setattr(ops, "LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS", 128)
-    monkeypatch.setattr(ops, "BWD_WARPS_PER_SM", 1)
+    for plan in ("RMS_BWD", "RESIDUAL_RMS_BWD", "GATED_RMS_BWD", "LAYER_NORM_BWD"):
+        monkeypatch.setattr(ops, plan, ops._BwdPlan(32, 128, 1))
     sms = runtime.sm_count(torch.device(kernel_device))
     n_rows = 18 * sms - 1
-    t = ops._bwd_tile(n_rows, 40, ops.BWD_MAX_FUSED_COLS, ops.RMS_WIDE, 128, ops.RMS_BWD_VALUES_PER_THREAD)
+    t = ops._bwd_tile(n_rows, 40, ops.BWD_MAX_FUSED_COLS, ops.RMS_WIDE, ops.RMS_BWD)
     assert (t.one_tile, t.block_m, t.num_warps) == (True, 2, 1)
-    assert ops._bwd_programs(t, n_rows, torch.device(kernel_device), ops.RMS_WIDE)[0] == sms
+    assert ops._bwd_programs(t, n_rows, torch.device(kernel_device), ops.RMS_WIDE, ops.RMS_BWD)[0] == sms
     inputs = make_inputs(op, (n_rows, 40), torch.float32, kernel_device, seed, shift=1.0 if op == "layer_norm" else 0.0)
     check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
 

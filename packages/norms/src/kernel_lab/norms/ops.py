@@ -50,16 +50,28 @@ LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
 # Elements one program of a one-tile forward handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency.
 ROWS_TILE = 4096
-# One-tile backward tiles, the fastest in an H200 sweep (bf16, 2**26 elements, 2048 to 16384
-# columns, BLOCK_M x warps x programs per SM): RMSNorm's at 32 values a thread and at least
-# 4096 elements a program; LayerNorm's at 16 values a thread and 2048 elements a program, except
-# rows of 4096 columns, two a program (10% faster there than one).
-RMS_BWD_VALUES_PER_THREAD, RMS_BWD_TILE_ELEMENTS = 32, 4096
-LAYER_NORM_BWD_VALUES_PER_THREAD, LAYER_NORM_BWD_TILE_ELEMENTS = 16, {4096: 8192}
-LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS = 2048
-# Warps of persistent one-tile backward programs per SM. With the tiles above every winner of
-# the sweep ran 16 warps per SM (more programs only queue: registers cap what is resident).
-BWD_WARPS_PER_SM = 16
+
+
+@dataclass(frozen=True)
+class _BwdPlan:
+    """How a one-tile backward covers the rows: programs of about `tile_elements` elements
+    (BLOCK_M rows), `values_per_thread` of them a thread, at most `warps_per_sm` warps of
+    persistent programs per SM (more only queue: registers cap what is resident)."""
+
+    values_per_thread: int
+    tile_elements: int
+    warps_per_sm: int
+
+
+# The fastest per kernel variant in H200 sweeps (bf16, 2**26 elements, 2048 to 16384 columns;
+# values a thread x elements a program x warps per SM): the variants that read more tensors
+# hold more per value, and fewer values a thread keep them from spilling.
+RMS_BWD = _BwdPlan(32, 4096, 16)
+RESIDUAL_RMS_BWD = _BwdPlan(8, 4096, 32)  # + du
+GATED_RMS_BWD = _BwdPlan(16, 4096, 16)  # + gate, dgate
+LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
+# ... except LayerNorm rows of 4096 columns: two rows a program were 10% faster than one.
+LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
 # per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and
@@ -106,15 +118,15 @@ def _fwd_tile(n_rows: int, n_cols: int, loop: _Loop) -> _Tile:
     return _Tile(True, *runtime.row_tile(n_rows, n_cols, ROWS_TILE))
 
 
-def _bwd_tile(n_rows: int, n_cols: int, max_fused_cols: int, wide: _Loop, tile_elements: int,
-              values_per_thread: int) -> _Tile:
-    """One tile of BLOCK_M rows, BLOCK_M * BLOCK_N about `tile_elements`, `values_per_thread`
-    of them a thread; or the wide kernel's loop past `max_fused_cols`."""
+def _bwd_tile(n_rows: int, n_cols: int, max_fused_cols: int, wide: _Loop, plan: _BwdPlan,
+              tile_elements: int | None = None) -> _Tile:
+    """The one-tile backward's tile after `plan` (tile_elements overrides the plan's), or the
+    wide kernel's loop past `max_fused_cols`."""
     if n_cols > max_fused_cols:
         return _Tile(False, 1, wide.block_n, wide.num_warps)
     block_n = runtime.next_power_of_2(n_cols)
-    block_m = max(1, min(tile_elements // block_n, runtime.next_power_of_2(n_rows)))
-    num_warps = min(32, max(1, block_m * block_n // (32 * values_per_thread)))
+    block_m = max(1, min((tile_elements or plan.tile_elements) // block_n, runtime.next_power_of_2(n_rows)))
+    num_warps = min(32, max(1, block_m * block_n // (32 * plan.values_per_thread)))
     return _Tile(True, block_m, block_n, num_warps)
 
 
@@ -126,15 +138,15 @@ def _fwd_grid(t: _Tile, n_rows: int, device: torch.device, loop: _Loop) -> tuple
     return (min(n_rows, runtime.sm_count(device) * loop.programs_per_sm),)
 
 
-def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop) -> tuple[int, int]:
+def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop, plan: _BwdPlan) -> tuple[int, int]:
     """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid of at most
-    BWD_WARPS_PER_SM warps per SM striding over BLOCK_M-row blocks (rows_per_program is 0,
+    plan.warps_per_sm warps per SM striding over BLOCK_M-row blocks (rows_per_program is 0,
     unused); never more programs than blocks (the LayerNorm kernel loads its first block
     before its loop). Wide: wide.programs_per_sm programs per SM, each owning rows_per_program
     contiguous rows (the last program fewer)."""
     sms = runtime.sm_count(device)
     if t.one_tile:
-        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, BWD_WARPS_PER_SM // t.num_warps)), 0
+        return min(runtime.cdiv(n_rows, t.block_m), sms * max(1, plan.warps_per_sm // t.num_warps)), 0
     rows_per_program = runtime.cdiv(n_rows, sms * wide.programs_per_sm)
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
 
@@ -235,8 +247,9 @@ def rms_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
     strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
-    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, RMS_BWD_TILE_ELEMENTS, RMS_BWD_VALUES_PER_THREAD)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device, RMS_WIDE)
+    plan = GATED_RMS_BWD if gate is not None else RESIDUAL_RMS_BWD if du is not None else RMS_BWD
+    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, plan)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device, RMS_WIDE, plan)
     partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
     if t.one_tile:
         runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
@@ -311,11 +324,9 @@ def layer_norm_bwd(
     w = x2 if weight is None else weight
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
-    tile_elements = LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols),
-                                                     LAYER_NORM_BWD_DEFAULT_TILE_ELEMENTS)
-    t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, tile_elements,
-                  LAYER_NORM_BWD_VALUES_PER_THREAD)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device, LAYER_NORM_WIDE)
+    t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, LAYER_NORM_BWD,
+                  LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device, LAYER_NORM_WIDE, LAYER_NORM_BWD)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if t.one_tile:
