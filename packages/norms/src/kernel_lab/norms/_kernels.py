@@ -419,8 +419,9 @@ def _layer_norm_bwd_kernel(
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # Software prefetch: the loop carries the next row block's tiles, loaded before the current
     # block's row reductions (whose barrier would otherwise leave DRAM idle while the SM
-    # reduces). On an H200 this beat reading each block twice (the RMSNorm way) and the plain
-    # loop from 2048 to 8192 columns. The launcher keeps the grid <= the number of row blocks.
+    # reduces). On an H200 this beat reading each block twice (the RMSNorm way) from 2048 to
+    # 8192 columns, and the plain loop at 2048 and 4096 (a tie at 8192). The launcher keeps the
+    # grid <= the number of row blocks.
     # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
     rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows, n_cols,
