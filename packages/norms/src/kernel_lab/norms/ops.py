@@ -39,8 +39,10 @@ FWD_MAX_FUSED_COLS = 16384
 # Longest row of the one-tile backward, whose program keeps a dweight accumulator of the row's
 # width. RMSNorm's reads each tile twice instead of holding x and dy across the row reduction
 # and fits 16384 columns without spilling (16 warps, 128 registers): faster than the wide kernel
-# there on an H200 (bf16, 4096 rows). LayerNorm's also holds the mean and the dbias accumulator:
-# past 8192 columns it spills and the wide kernel is faster.
+# there on an H200 (bf16, 4096 rows). LayerNorm's (prefetching) also holds the mean and the
+# dbias accumulator: past 8192 columns it spills and the wide kernel is faster. (A LayerNorm
+# kernel reading its tile twice, as RMSNorm's does, was faster still at 16384 columns in the
+# sweep, and slower at 2048-8192: not taken, one LayerNorm design.)
 BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
 # (Tried and dropped: software-pipelining the one-tile backward's row loop, tl.range with
@@ -70,7 +72,7 @@ RMS_BWD = _BwdPlan(32, 4096, 16)
 RESIDUAL_RMS_BWD = _BwdPlan(8, 4096, 32)  # + du
 GATED_RMS_BWD = _BwdPlan(16, 4096, 16)  # + gate, dgate
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
-# ... except LayerNorm rows of 4096 columns: two rows a program were 10% faster than one.
+# ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
