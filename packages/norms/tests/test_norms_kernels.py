@@ -84,6 +84,19 @@ def test_layer_norm_matches_reference(dtype, shape, affine, kernel_device, seed)
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("present", ["weight", "bias"])
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_layer_norm_with_one_affine_parameter(present, long_rows, small_blocks, kernel_device, seed):
+    """The backward kernels write one slab of partial sums per parameter present: with only the
+    bias, its slab is the first (one-tile and wide kernels)."""
+    if long_rows:
+        small_blocks(64, 32)
+    inputs = make_inputs("layer_norm", (9, 100), torch.float32, kernel_device, seed, shift=1.0)
+    inputs["bias" if present == "weight" else "weight"] = None
+    check_op("layer_norm", inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("n_rows, n_cols", [(9, 300), (3, 65)])
 def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel_device, seed):

@@ -223,15 +223,14 @@ def _launch_bias_gelu_bwd(
     chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
     rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
     chunks = runtime.cdiv(n_rows, rows_per_program)
-    partials = torch.empty((1, chunks, n_cols), dtype=torch.float32, device=device)
+    partials = torch.empty((chunks, n_cols), dtype=torch.float32, device=device)
     runtime.launchable(_bias_gelu_bwd_kernel, traced)[(chunks, col_blocks)](
         x2, bias, dy2, dx2, partials, n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0),
         rows_per_program,
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=BIAS_GRAD_STAGES,
         num_warps=NUM_WARPS,
     )  # fmt: skip
-    (dbias,) = partial_sums.sum_partials(partials, (bias.dtype,), traced)
-    return dbias
+    return partial_sums.sum_partials(partials, bias.dtype, traced)
 
 
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, activation: str, traced: bool = False) -> torch.Tensor:

@@ -388,23 +388,26 @@ def _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT: tl.constexpr, H
 
 @triton.jit
 def _layer_norm_store_partials(
-    dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
+    dw_acc, db_acc, partial_ptr, pid, n_programs, cols, n_cols,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """Columns `cols` of row `pid` of the (n_programs, n_cols) float32 dweight / dbias partials:
-    the column sums of this program's [rows, BLOCK_N] accumulators."""
+    """Columns `cols` of row `pid` of the float32 partials, one (n_programs, n_cols) slab per
+    parameter present (dweight's first): the column sums of this program's accumulators."""
     out = pid.to(tl.int64) * n_cols + cols
     if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+        tl.store(partial_ptr + out, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
     if HAS_BIAS:
-        tl.store(db_partial_ptr + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+        db_slab = partial_ptr
+        if HAS_WEIGHT:
+            db_slab += n_programs.to(tl.int64) * n_cols
+        tl.store(db_slab + out, tl.sum(db_acc, axis=0), mask=cols < n_cols)
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
-    dx_ptr, dw_partial_ptr, db_partial_ptr,  # partials: (n_programs, n_cols) float32
+    dx_ptr, partial_ptr,  # partials: (n_params, n_programs, n_cols) float32, see _layer_norm_store_partials
     n_rows, n_cols,
     stride_dy_row, stride_x_row, stride_dx_row,
     HAS_WEIGHT: tl.constexpr,
@@ -436,14 +439,13 @@ def _layer_norm_bwd_kernel(
         _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
         dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy_f32, HAS_WEIGHT, HAS_BIAS)
         rows, x, dy, mean, rstd, mask = next_rows, next_x, next_dy, next_mean, next_rstd, next_mask
-    _layer_norm_store_partials(dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
-                               HAS_WEIGHT, HAS_BIAS)
+    _layer_norm_store_partials(dw_acc, db_acc, partial_ptr, pid, n_programs, cols, n_cols, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
 def _layer_norm_bwd_wide_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
-    dx_ptr, dw_partial_ptr, db_partial_ptr, dot_ptr,  # dot: (n_rows, 2) float32 scratch
+    dx_ptr, partial_ptr, dot_ptr,  # dot: (n_rows, 2) float32 scratch
     n_rows, n_cols, rows_per_program,
     stride_dy_row, stride_x_row, stride_dx_row,
     HAS_WEIGHT: tl.constexpr,
@@ -482,5 +484,5 @@ def _layer_norm_bwd_wide_kernel(
             dot_gx = tl.load(dot_ptr + 2 * rows + 1)
             _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
             dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT, HAS_BIAS)
-        _layer_norm_store_partials(dw_acc, db_acc, dw_partial_ptr, db_partial_ptr, pid, cols, n_cols,
+        _layer_norm_store_partials(dw_acc, db_acc, partial_ptr, pid, tl.num_programs(0), cols, n_cols,
                                    HAS_WEIGHT, HAS_BIAS)

@@ -153,16 +153,6 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop, plan
     return runtime.cdiv(n_rows, rows_per_program), rows_per_program
 
 
-def _param_grads(partial: torch.Tensor, params: tuple[torch.Tensor | None, ...], via_op: bool) -> list:
-    """The gradients of `params` (None for an absent one) from a backward kernel's float32
-    partial sums, (n_present, n_programs, n_cols): one slab per present parameter, in order."""
-    present = [p for p in params if p is not None]
-    if not present:
-        return [None] * len(params)
-    sums = iter(partial_sums.sum_partials(partial, [p.dtype for p in present], via_op))
-    return [None if p is None else next(sums) for p in params]
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +245,7 @@ def rms_norm_bwd(
     plan = GATED_RMS_BWD if gate is not None else RESIDUAL_RMS_BWD if du is not None else RMS_BWD
     t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, plan)
     n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device, RMS_WIDE, plan)
-    partial = torch.empty((1, n_programs, n_cols), dtype=torch.float32, device=xn.device)
+    partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
     if t.one_tile:
         runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
             dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
@@ -269,8 +259,7 @@ def rms_norm_bwd(
             n_rows, n_cols, offset, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
-    (dw,) = _param_grads(partial, (weight,), via_op)
-    return dx, dgate, dw
+    return dx, dgate, None if weight is None else partial_sums.sum_partials(partial, weight.dtype, via_op)
 
 
 def layer_norm_fwd(
@@ -333,25 +322,23 @@ def layer_norm_bwd(
     t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, LAYER_NORM_BWD,
                   LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device, LAYER_NORM_WIDE, LAYER_NORM_BWD)
-    # one slab of partial sums per parameter present (dweight first); the kernel writes only
-    # those its flags ask for, so an absent parameter's pointer may alias the other slab
-    n_params = (weight is not None) + (bias is not None)
+    n_params = (weight is not None) + (bias is not None)  # one slab of partial sums each
     partial = torch.empty((max(1, n_params), n_programs, n_cols), dtype=torch.float32, device=x.device)
-    dw_partial, db_partial = partial, partial[-1]
     if t.one_tile:
         runtime.launchable(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
-            dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial,
+            dy2, x2, w, mean, rstd, dx2, partial,
             n_rows, n_cols, *strides, **flags,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
     else:
         dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
         runtime.launchable(_layer_norm_bwd_wide_kernel, via_op)[(n_programs,)](
-            dy2, x2, w, mean, rstd, dx2, dw_partial, db_partial, dot,
+            dy2, x2, w, mean, rstd, dx2, partial, dot,
             n_rows, n_cols, rows_per_program, *strides, **flags,
             BLOCK_N=t.block_n, num_warps=t.num_warps,
         )
-    dw, db = _param_grads(partial, (weight, bias), via_op)
+    slabs = iter(partial)  # one per parameter present, dweight's first
+    dw, db = (None if p is None else partial_sums.sum_partials(next(slabs), p.dtype, via_op) for p in (weight, bias))
     return dx, dw, db
 
 
