@@ -85,6 +85,31 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
             assert runtime.cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
+@pytest.mark.parametrize("n", [2, 3, 300, 512, 513, 4099])
+def test_next_power_of_2_of_a_symbolic_size_guards_its_bucket_not_its_value(n):
+    """Under torch.compile with dynamic shapes the launchers see torch.SymInt sizes. The power of
+    two must come out right, and the guards it leaves must hold for every size of the same
+    bucket, so that a new token count there reuses the compiled graph (no recompile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
+    size = mode.from_tensor(torch.empty(n), symbolic_context=dynamic).shape[0]
+    assert isinstance(size, torch.SymInt)
+    bucket = runtime.next_power_of_2(n)
+    assert runtime.next_power_of_2(size) == bucket
+
+    def guards_hold(m: int) -> bool:  # (the only symbol in the guards is the size's)
+        return all(bool(g.expr.subs(dict.fromkeys(g.expr.free_symbols, m))) for g in env.guards)
+
+    assert all(guards_hold(m) for m in range(bucket // 2 + 1, bucket + 1))
+    assert not guards_hold(bucket + 1)
+    # (sizes 0 and 1 always get graphs of their own: a symbolic size is known to be >= 2)
+    assert bucket // 2 < 2 or not guards_hold(bucket // 2)
+
+
 def test_sm_count_off_cuda_is_the_interpreter_stand_in():
     assert runtime.sm_count(torch.device("cpu")) == runtime.INTERPRET_SM_COUNT > 1
 

@@ -146,21 +146,28 @@ def test_gpu_rope_llama_shape(dtype, seed):
 
 
 @pytest.mark.gpu
-def test_gpu_rope_compile_fullgraph(seed):
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_gpu_rope_compile_fullgraph(dynamic, seed):
     torch._dynamo.reset()
-    cos, sin = _tables(1, 64, 64, interleaved=False, device="cuda", seed=seed)
-    q = testing.randn(1, 8, 64, 64, dtype=torch.bfloat16, device="cuda", seed=seed, requires_grad=True)
-    k = testing.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda", seed=seed + 1, requires_grad=True)
-    fn = torch.compile(lambda q, k: apply_rope(q, k, cos, sin), fullgraph=True)
-    qo, ko = fn(q, k)
-    eq, ek = apply_rope(q, k, cos, sin)
-    torch.testing.assert_close(qo, eq, rtol=0, atol=0)
-    torch.testing.assert_close(ko, ek, rtol=0, atol=0)
-    dys = [testing.randn(*t.shape, dtype=t.dtype, device="cuda", seed=seed + 2 + i) for i, t in enumerate((q, k))]
-    g = torch.autograd.grad((qo, ko), (q, k), dys)
-    ge = torch.autograd.grad((eq, ek), (q, k), dys)
-    for a, b in zip(g, ge, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # Bitwise equal to eager, and both against the float64 reference (forward and backward).
-    for x, out, dy, dx in zip((q, k), (qo, ko), dys, g, strict=True):
-        assert_rope_matches_reference(x.detach(), out, cos, sin, dy, dx)
+    cos, sin = _tables(1, 100, 64, interleaved=False, device="cuda", seed=seed)
+    fn = torch.compile(lambda q, k, c, s: apply_rope(q, k, c, s), fullgraph=True, dynamic=dynamic)
+    # new sequence lengths (the tables sliced to them), then a new batch and head count
+    for i, (b, h, t) in enumerate([(1, 8, 64), (1, 8, 100), (3, 4, 77)]):
+        c, s = cos[:, :t], sin[:, :t]
+        q = testing.randn(b, h, t, 64, dtype=torch.bfloat16, device="cuda", seed=seed + i, requires_grad=True)
+        k = testing.randn(b, 2, t, 64, dtype=torch.bfloat16, device="cuda", seed=seed + 10 + i, requires_grad=True)
+        qo, ko = fn(q, k, c, s)
+        eq, ek = apply_rope(q, k, c, s)
+        torch.testing.assert_close(qo, eq, rtol=0, atol=0)
+        torch.testing.assert_close(ko, ek, rtol=0, atol=0)
+        dys = [testing.randn(*x.shape, dtype=x.dtype, device="cuda", seed=seed + 20 + 2 * i + j)
+               for j, x in enumerate((q, k))]
+        g = torch.autograd.grad((qo, ko), (q, k), dys)
+        ge = torch.autograd.grad((eq, ek), (q, k), dys)
+        for a, e in zip(g, ge, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+        # Bitwise equal to eager, and both against the float64 reference (forward and backward).
+        for x, out, dy, dx in zip((q, k), (qo, ko), dys, g, strict=True):
+            assert_rope_matches_reference(x.detach(), out, c, s, dy, dx)

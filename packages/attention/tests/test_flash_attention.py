@@ -375,20 +375,24 @@ def test_varlen_window_forward_backward_match_reference(kernel_device, seed):
         testing.assert_close_to_reference(g, r, b, factor=BWD_FACTOR, name=name)
 
 
-def _check_compiled_matches_eager(device, seed, compile_backend):
-    q, k, v, do = _make((1, 2, 24, 32), (1, 1, 24, 32), torch.float16, device, seed)
-    fn = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), fullgraph=True, backend=compile_backend)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = fn(*leaves)
-    grads = torch.autograd.grad(out, leaves, do)
-    # Against the reference with the usual budget (not bit-equality with eager: inductor may
-    # lay out its buffers differently).
-    ref = reference.attention(q, k, v, causal=True)
-    base, _, base_grads = _baseline(q, k, v, do, causal=True, window=None)
-    testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR, name="compiled out")
-    ref_grads = reference.attention_backward(q, k, v, do, causal=True)
-    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
-        testing.assert_close_to_reference(g, r, b, factor=BWD_FACTOR, name=f"compiled {name}")
+def _check_compiled_matches_eager(device, seed, compile_backend, dynamic=None):
+    fn = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), fullgraph=True,
+                       backend=compile_backend, dynamic=dynamic)
+    # a new sequence length, then a new batch and head count (dynamic=None, torch.compile's
+    # default, makes a dim symbolic once it changes; dynamic=True from the first call)
+    for i, (b, h, t) in enumerate([(1, 2, 24), (1, 2, 37), (2, 4, 37)]):
+        q, k, v, do = _make((b, h, t, 32), (b, h // 2, t, 32), torch.float16, device, seed + i)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, do)
+        # Against the reference with the usual budget (not bit-equality with eager: inductor may
+        # lay out its buffers differently).
+        ref = reference.attention(q, k, v, causal=True)
+        base, _, base_grads = _baseline(q, k, v, do, causal=True, window=None)
+        testing.assert_close_to_reference(out, ref, base, factor=FWD_FACTOR, name="compiled out")
+        ref_grads = reference.attention_backward(q, k, v, do, causal=True)
+        for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+            testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=f"compiled {name}")
 
 
 def test_compile_fullgraph_reference_backend_has_no_graph_break(monkeypatch, seed):
@@ -419,9 +423,10 @@ def test_gpu_large_shapes_match_reference(b, hq, hkv, tq, tk, d, causal, window,
 
 
 @pytest.mark.gpu
-def test_gpu_compile_fullgraph_inductor_matches_eager(seed):
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_gpu_compile_fullgraph_inductor_matches_eager(dynamic, seed):
     torch._dynamo.reset()
-    _check_compiled_matches_eager("cuda", seed, "inductor")
+    _check_compiled_matches_eager("cuda", seed, "inductor", dynamic)
 
 
 @pytest.mark.gpu

@@ -214,22 +214,29 @@ def test_matmul_gpu_epilogue_and_layouts(seed, dtype, m):
 
 
 @pytest.mark.gpu
-def test_matmul_torch_compile_fullgraph_forward_and_backward(seed):
-    a, b = make_operands(64, 256, 512, torch.bfloat16, "cuda", seed, "row", "col")
-    bias = testing.randn(256, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
-    fn = torch.compile(lambda a, b, bias: matmul(a, b, bias=bias, activation="silu"), fullgraph=True)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (a, b, bias)]
-    out = fn(*leaves)
-    check(out, a, b, bias, "silu")
-    dy = testing.randn(*out.shape, dtype=torch.bfloat16, device="cuda", seed=seed + 3)
-    grads = torch.autograd.grad(out, leaves, dy)
-    refs = reference.matmul_backward(a, b, dy, bias, "silu")
-    base_leaves = [t.detach().clone().float().requires_grad_(True) for t in (a, b, bias)]
-    z = (base_leaves[0].bfloat16() @ base_leaves[1].bfloat16()).float() + base_leaves[2]
-    base = torch.autograd.grad(TORCH_ACT["silu"](z), base_leaves, dy.float())
-    for name, g, r, bl in zip(("da", "db", "dbias"), grads, refs, base, strict=True):
-        # The baseline rounds its float32 gradients to the input dtype, as the kernel's are.
-        testing.assert_close_to_reference(g, r, bl.to(g.dtype), factor=FACTOR, name=f"compiled {name}")
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_matmul_torch_compile_fullgraph_forward_and_backward(dynamic, seed):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, bias: matmul(a, b, bias=bias, activation="silu"), fullgraph=True,
+                       dynamic=dynamic)
+    # new M (prefill, then a decode-sized M that takes the skinny path), then new N and K
+    for i, (m, n, k) in enumerate([(64, 256, 512), (200, 256, 512), (7, 256, 512), (64, 384, 320)]):
+        a, b = make_operands(m, n, k, torch.bfloat16, "cuda", seed + i, "row", "col")
+        bias = testing.randn(n, dtype=torch.bfloat16, device="cuda", seed=seed + i + 2)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (a, b, bias)]
+        out = fn(*leaves)
+        check(out, a, b, bias, "silu")
+        dy = testing.randn(*out.shape, dtype=torch.bfloat16, device="cuda", seed=seed + i + 3)
+        grads = torch.autograd.grad(out, leaves, dy)
+        refs = reference.matmul_backward(a, b, dy, bias, "silu")
+        base_leaves = [t.detach().clone().float().requires_grad_(True) for t in (a, b, bias)]
+        z = (base_leaves[0].bfloat16() @ base_leaves[1].bfloat16()).float() + base_leaves[2]
+        base = torch.autograd.grad(TORCH_ACT["silu"](z), base_leaves, dy.float())
+        for name, g, r, bl in zip(("da", "db", "dbias"), grads, refs, base, strict=True):
+            # The baseline rounds its float32 gradients to the input dtype, as the kernel's are.
+            testing.assert_close_to_reference(g, r, bl.to(g.dtype), factor=FACTOR, name=f"compiled {name}")
 
 
 def _fp8_ok():

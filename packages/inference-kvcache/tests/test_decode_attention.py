@@ -236,21 +236,28 @@ def test_decode_under_torch_compile_fullgraph(kvh, seed):
 
 
 @pytest.mark.interpret
-def test_decode_and_append_compile_fullgraph_match_eager(kvh, kernel_device, seed):
-    """fullgraph=True: no graph break around either custom op; results equal the eager ones."""
-    cache = kvh.make_cache("paged", batch=2, max_len=40, h_kv=2, d=16, dtype=torch.float16,
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_decode_and_append_compile_fullgraph_match_eager(kvh, kernel_device, dynamic, seed):
+    """fullgraph=True: no graph break around either custom op; results equal the eager ones,
+    for a new batch size too."""
+    torch._dynamo.reset()
+    cache = kvh.make_cache("paged", batch=3, max_len=40, h_kv=2, d=16, dtype=torch.float16,
                            device=kernel_device)
-    kvh.fill(cache, 0, [37, 5], dtype=torch.float16, seed=seed, prefill=40)
-    q = randn(2, 8, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
-    args = (cache.k[0], cache.v[0], cache.lengths(0))
+    kvh.fill(cache, 0, [37, 5, 20], dtype=torch.float16, seed=seed, prefill=40)
     backend = "inductor" if kernel_device == "cuda" else "aot_eager"
 
     def step(q, k, v, lengths, table):
         return flash_decode(q * 1.0, k, v, lengths, block_table=table, num_splits=3) + 0.0
 
-    out = torch.compile(step, fullgraph=True, backend=backend)(q, *args, cache.block_table)
-    assert torch.equal(out, flash_decode(q, *args, block_table=cache.block_table, num_splits=3))
-    kvh.check_decode(out, q, cache, 0)
+    compiled = torch.compile(step, fullgraph=True, backend=backend, dynamic=dynamic)
+    for batch in (2, 3):
+        q = randn(batch, 8, 16, dtype=torch.float16, seed=seed + batch, device=kernel_device)
+        args = (cache.k[0], cache.v[0], cache.lengths(0)[:batch], cache.block_table[:batch])
+        out = compiled(q, *args)
+        assert torch.equal(out, flash_decode(q, *args[:3], block_table=args[3], num_splits=3))
+        kvh.check_decode(out, q, cache, 0, rows=list(range(batch)))
 
     def append(k_new, k_cache, v_cache, lengths):
         kv_append(k_new * 1.0, k_new, k_cache, v_cache, lengths)
@@ -259,7 +266,7 @@ def test_decode_and_append_compile_fullgraph_match_eager(kvh, kernel_device, see
     v_cache = torch.zeros_like(k_cache)
     k_new = randn(2, 3, 2, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
     lengths = torch.tensor([0, 4], dtype=torch.int32, device=kernel_device)
-    torch.compile(append, fullgraph=True, backend=backend)(k_new, k_cache, v_cache, lengths)
+    torch.compile(append, fullgraph=True, backend=backend, dynamic=dynamic)(k_new, k_cache, v_cache, lengths)
     assert torch.equal(k_cache[0, :3], k_new[0]) and torch.equal(v_cache[1, 4:7], k_new[1])
 
 

@@ -109,31 +109,38 @@ def test_reference_backend_matches_reference_and_is_differentiable(seed, dtype):
 @pytest.mark.gpu
 # one op per registered triton_op (geglu shares swiglu's, silu_and_mul gelu_and_mul's)
 @pytest.mark.parametrize("op", ["swiglu", "gelu_and_mul", "bias_gelu"])
-def test_ops_under_torch_compile_fullgraph_match_eager(seed, op):
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_ops_under_torch_compile_fullgraph_match_eager(seed, op, dynamic):
     torch._dynamo.reset()
-    kernel_device, shape = "cuda", (300, 4098)
-    x = randn(*shape, device=kernel_device, seed=seed, scale=2.0, requires_grad=True)
-    w = randn(*shape, device=kernel_device, seed=seed + 1, requires_grad=True)
-    b = randn(shape[-1], device=kernel_device, seed=seed + 2, requires_grad=True)
     fns = {
-        "swiglu": (lambda x, w, b: mlp.swiglu(x, w) * 2.0, (x, w)),
-        "geglu": (lambda x, w, b: mlp.geglu(x, w, "tanh") * 2.0, (x, w)),
-        "silu_and_mul": (lambda x, w, b: mlp.silu_and_mul(x) + 1.0, (x,)),
-        "gelu_and_mul": (lambda x, w, b: mlp.gelu_and_mul(x, "tanh") + 1.0, (x,)),
-        "bias_gelu": (lambda x, w, b: mlp.bias_gelu(x, b) - w, (x, b, w)),
+        "swiglu": (lambda x, w, b: mlp.swiglu(x, w) * 2.0, ("x", "w")),
+        "geglu": (lambda x, w, b: mlp.geglu(x, w, "tanh") * 2.0, ("x", "w")),
+        "silu_and_mul": (lambda x, w, b: mlp.silu_and_mul(x) + 1.0, ("x",)),
+        "gelu_and_mul": (lambda x, w, b: mlp.gelu_and_mul(x, "tanh") + 1.0, ("x",)),
+        "bias_gelu": (lambda x, w, b: mlp.bias_gelu(x, b) - w, ("x", "b", "w")),
     }
-    fn, inputs = fns[op]
-    compiled = torch.compile(fn, fullgraph=True)
-    y_c = compiled(x, w, b)
-    y_e = fn(x, w, b)
-    dy = randn(*y_e.shape, device=kernel_device, seed=seed + 3)
-    grads_c = torch.autograd.grad(y_c, inputs, dy)
-    grads_e = torch.autograd.grad(y_e, inputs, dy)
-    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
-    for gc, ge in zip(grads_c, grads_e, strict=True):
-        # dbias adds per-chunk float32 partial sums with torch; under inductor that last sum is
-        # generated code with another summation order (float32 rounding of a 300-row sum)
-        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
+    fn, names = fns[op]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    # new row counts, then a new row length
+    for i, shape in enumerate([(300, 4098), (77, 4098), (129, 1000)]):
+        tensors = {
+            "x": randn(*shape, device="cuda", seed=seed + i, scale=2.0, requires_grad=True),
+            "w": randn(*shape, device="cuda", seed=seed + i + 1, requires_grad=True),
+            "b": randn(shape[-1], device="cuda", seed=seed + i + 2, requires_grad=True),
+        }
+        inputs = [tensors[k] for k in names]
+        y_c = compiled(tensors["x"], tensors["w"], tensors["b"])
+        y_e = fn(tensors["x"], tensors["w"], tensors["b"])
+        dy = randn(*y_e.shape, device="cuda", seed=seed + i + 3)
+        grads_c = torch.autograd.grad(y_c, inputs, dy)
+        grads_e = torch.autograd.grad(y_e, inputs, dy)
+        torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
+        for gc, ge in zip(grads_c, grads_e, strict=True):
+            # dbias is a float32 sum of per-program partials: allow the rounding of another
+            # summation order (a 300-row float32 sum), should the compiled graph plan differently
+            torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
 
 
 # one per registered forward op (geglu shares swiglu's, gelu_and_mul silu_and_mul's)

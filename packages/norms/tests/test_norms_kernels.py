@@ -204,13 +204,18 @@ def test_float16_llm_size_with_leading_dims(op, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-def test_torch_compile_fullgraph_inductor(op, seed):
-    inputs = make_inputs(op, (300, 4096), torch.bfloat16, "cuda", seed)
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_torch_compile_fullgraph_inductor(op, dynamic, seed):
     torch._dynamo.reset()
-    compiled = torch.compile(lambda **kw: _call(op, kw), fullgraph=True)
-    # outputs and gradients of the compiled graph against the reference, as for the eager op
-    check_op(op, inputs, seed=seed,
-             fn=lambda _op, ins, _eps, _offset: compiled(**{k: v for k, v in ins.items() if v is not None}))
+    compiled = torch.compile(lambda **kw: _call(op, kw), fullgraph=True, dynamic=dynamic)
+    # new row counts, then a new hidden size; outputs and gradients of the compiled graph
+    # against the reference, as for the eager op
+    for i, shape in enumerate([(300, 4096), (77, 4096), (129, 1000)]):
+        inputs = make_inputs(op, shape, torch.bfloat16, "cuda", seed + i)
+        check_op(op, inputs, seed=seed + i,
+                 fn=lambda _op, ins, _eps, _offset: compiled(**{k: v for k, v in ins.items() if v is not None}))
 
 
 def _call(op, kw):

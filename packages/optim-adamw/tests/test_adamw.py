@@ -452,26 +452,31 @@ def test_adamw_step_functional_matches_reference(kernel_device, seed, tensor_ste
 
 
 @pytest.mark.interpret
-def test_adamw_step_under_torch_compile_fullgraph(kernel_device, seed):
-    """The registered op: no graph break, same result as eager."""
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes (and hyperparameters) at once.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_adamw_step_under_torch_compile_fullgraph(kernel_device, dynamic, seed):
+    """The registered op: no graph break, same result as eager, for a new parameter size too."""
     torch._dynamo.reset()
-    params = [testing.randn(130, device=kernel_device, seed=seed)]
-    grads = [testing.randn(130, device=kernel_device, seed=seed + 1)]
-    eager = [t.clone() for t in params]
-    states = [[torch.zeros(130, device=kernel_device) for _ in range(2)] for _ in range(2)]
-    steps = [[torch.zeros((), device=kernel_device)] for _ in range(2)]
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01)
-
-    def fn(ps, m, v, s):
-        adamw_step_(ps, grads, m, v, step=s, **hp)
-
     backend = "inductor" if kernel_device == "cuda" else "aot_eager"
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    for _ in range(2):
-        compiled(params, [states[0][0]], [states[0][1]], steps[0])
-        fn(eager, [states[1][0]], [states[1][1]], steps[1])
-    torch.testing.assert_close(params[0], eager[0], rtol=0, atol=0)
-    assert float(steps[0][0]) == 2.0
+    for i, numel in enumerate((130, 77)):
+        params = [testing.randn(numel, device=kernel_device, seed=seed + i)]
+        grads = [testing.randn(numel, device=kernel_device, seed=seed + 10 + i)]
+        eager = [t.clone() for t in params]
+        states = [[torch.zeros(numel, device=kernel_device) for _ in range(2)] for _ in range(2)]
+        steps = [[torch.zeros((), device=kernel_device)] for _ in range(2)]
+
+        def fn(ps, m, v, s, grads=grads):
+            adamw_step_(ps, grads, m, v, step=s, **hp)
+
+        if i == 0:
+            compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)
+        for _ in range(2):
+            compiled(params, [states[0][0]], [states[0][1]], steps[0], grads)
+            fn(eager, [states[1][0]], [states[1][1]], steps[1])
+        torch.testing.assert_close(params[0], eager[0], rtol=0, atol=0)
+        assert float(steps[0][0]) == 2.0
 
 
 # Unmarked: input validation and the reference backend.

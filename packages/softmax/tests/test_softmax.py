@@ -219,20 +219,25 @@ def test_llm_shapes_match_reference(op_name, dtype, shape, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name", list(OPS))
-def test_torch_compile_fullgraph_forward_and_backward(op_name, seed):
+# dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
+# changed dims become symbolic; dynamic=True traces symbolic sizes from the first call.
+@pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
+def test_torch_compile_fullgraph_forward_and_backward(op_name, dynamic, seed):
     ours, torch_op, ref_fwd, ref_bwd = OPS[op_name]
     torch._dynamo.reset()
-    fn = torch.compile(lambda t: ours(t * 2.0, -1) * 1.0, fullgraph=True)
-    x = testing.randn(64, 5000, dtype=torch.bfloat16, device="cuda", seed=seed, requires_grad=True)
-    y = fn(x)
-    ref = ref_fwd(x.detach() * 2.0)
-    testing.assert_close_to_reference(y, ref, torch_op(x.detach() * 2.0, -1))
-    dy = testing.randn(64, 5000, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    xb = x.detach().clone().requires_grad_(True)
-    (baseline_dx,) = torch.autograd.grad(torch_op(xb * 2.0, -1), xb, dy)
-    # d/dx of op(2x) is 2 * op'(2x)
-    testing.assert_close_to_reference(dx, 2.0 * ref_bwd(ref, dy, -1), baseline_dx, factor=BWD_FACTOR)
+    fn = torch.compile(lambda t: ours(t * 2.0, -1) * 1.0, fullgraph=True, dynamic=dynamic)
+    # new row counts and row lengths, one row longer than the fused limit (another launch plan)
+    for i, shape in enumerate([(64, 5000), (37, 5000), (100, 3001), (3, ops.FWD_MAX_FUSED_COLS + 9)]):
+        x = testing.randn(*shape, dtype=torch.bfloat16, device="cuda", seed=seed + i, requires_grad=True)
+        y = fn(x)
+        ref = ref_fwd(x.detach() * 2.0)
+        testing.assert_close_to_reference(y, ref, torch_op(x.detach() * 2.0, -1))
+        dy = testing.randn(*shape, dtype=torch.bfloat16, device="cuda", seed=seed + 100 + i)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        xb = x.detach().clone().requires_grad_(True)
+        (baseline_dx,) = torch.autograd.grad(torch_op(xb * 2.0, -1), xb, dy)
+        # d/dx of op(2x) is 2 * op'(2x)
+        testing.assert_close_to_reference(dx, 2.0 * ref_bwd(ref, dy, -1), baseline_dx, factor=BWD_FACTOR)
 
 
 @pytest.mark.gpu

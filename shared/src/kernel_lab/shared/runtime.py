@@ -109,8 +109,20 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (0 for n == 0, as triton's), host-side; see `cdiv`."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
+    """The smallest power of two >= n (0 for n == 0, as triton's), host-side; see `cdiv`.
+
+    A symbolic size (torch.compile tracing with dynamic shapes) is compared, never read: the
+    compiled graph is then guarded on the power-of-two bucket of n, not on n itself, so e.g. a
+    new token count within the same bucket reuses the graph instead of recompiling it.
+    """
+    if type(n) is int:
+        return 1 << (n - 1).bit_length() if n > 0 else 0
+    if n <= 0:
+        return 0
+    power = 1
+    while power < n:
+        power *= 2
+    return power
 
 
 def launchable(kernel, traced: bool):

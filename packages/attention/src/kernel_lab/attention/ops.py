@@ -435,7 +435,9 @@ def _check_scalars(causal, scale, window, name: str) -> float | None:
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
+        # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
             raise TypeError(f"{name}: scale must be a finite float or None, got {scale!r}")
         scale = float(scale)
     if window is not None and (

@@ -128,6 +128,11 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
     """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
     n_splits, m, n = ws.shape
     block_m = min(16, max(1, runtime.next_power_of_2(m)))
+    # float(): with a symbolic K (torch.compile, dynamic=True) 1 / K is a symbolic float, which
+    # inductor's launcher (torch 2.11) passed where the kernel expected an int: it failed with
+    # "'float' object cannot be interpreted as an integer". A Python float (the graph guarded on
+    # K, the layer's hidden size) launches as in eager mode.
+    inv_k = float(1.0 / max(k, 1))
     dummy = c
     runtime.launchable(_splitk_reduce_kernel, traced)[(runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))](
         ws, c, dummy if ssq is None else ssq,
@@ -136,7 +141,7 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
         m, n, n_splits, ws.stride(0), 0 if ssq is None else ssq.stride(0), c.stride(0), c.stride(1),
         0 if scale_a is None or scale_a.numel() == 1 else 1,
         0 if scale_b is None or scale_b.numel() == 1 else 1,
-        1.0 / max(k, 1), eps,
+        inv_k, eps,
         HAS_BIAS=bias is not None, HAS_SCALE=scale_a is not None, HAS_RSTD=ssq is not None,
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
     )
@@ -843,7 +848,9 @@ def rms_norm_linear(
             f"{op}: K mismatch: x is {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)}, weight "
             f"{tuple(weight.shape)} (expected (K,) and (N, K) with K = {k})"
         )
-    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
+    # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
+    if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
         raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
     _check_bias(op, bias, weight.shape[0])
     _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)

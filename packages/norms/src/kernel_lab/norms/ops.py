@@ -529,7 +529,9 @@ def _check(
     for arg, v in (("eps", eps), ("offset", offset)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{name}: {arg} must be a float, got {type(v).__name__}")
-        if not math.isfinite(v):
+        # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
+        # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
+        if not -math.inf < v < math.inf:
             raise ValueError(f"{name}: {arg} must be finite, got {v}")
     if eps <= 0:
         raise ValueError(f"{name}: eps must be > 0 (it keeps 1/sqrt(. + eps) finite), got {eps}")
