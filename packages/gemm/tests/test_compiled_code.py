@@ -98,3 +98,33 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, num_warps):
     per_weight = len(loop) / weights_per_thread
     assert not any(i.startswith("I2F") for i in loop), "codes converted one by one (I2F)"
     assert per_weight <= 7.5, f"{per_weight:.1f} SASS instructions per weight in the K loop (limit 7.5)"
+
+
+FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)
+    "_rms_norm_linear_kernel": (
+        dict(x_ptr="*bf16", g_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", ssq_ptr="*fp32", bias_ptr="*bf16"),
+        ("eps",),
+        dict(HAS_BIAS=False, WRITE_PARTIAL=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
+    ),
+    "_splitk_reduce_kernel": (
+        dict(ws_ptr="*fp32", c_ptr="*bf16", ssq_ptr="*fp32", bias_ptr="*bf16", scale_a_ptr="*fp32",
+             scale_b_ptr="*fp32"),
+        ("inv_k", "eps"),
+        dict(HAS_BIAS=False, HAS_SCALE=False, HAS_RSTD=True, ACTIVATION="none", BLOCK_M=16, BLOCK_N=128),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOAT_CASES))
+def test_float64_scalar_arguments_leave_no_float64_math(name):
+    """torch.compile (inductor) passes a Python float argument to a user kernel as float64 (an
+    eager launch: float32). The kernels cast it first: a float64 rstd would otherwise promote the
+    epilogue's per-element math to float64."""
+    from kernel_lab.gemm import _kernels
+
+    pointers, floats, constexprs = FLOAT_CASES[name]
+    types = dict(pointers, **dict.fromkeys(floats, "fp64"))
+    compiled = testing.compile_for_sm90(getattr(_kernels, name), types, constexprs, num_warps=4, num_stages=2)
+    f64 = re.findall(r"\b[\w.]*\.f64\b", compiled.asm["ptx"])
+    # the one conversion per float argument (f64 -> f32) is all that may remain
+    assert all(op.startswith("cvt.") for op in f64) and len(f64) <= len(floats), f64

@@ -13,6 +13,10 @@ only large operand, streams from HBM.
 import triton
 import triton.language as tl
 
+# FLOAT_ARGUMENTS_NOTE: inductor passes a Python float argument (eps, 1/K) to a user kernel as
+# float64, where an eager launch passes float32; a float64 rstd would promote the epilogue's
+# per-element math to float64. The kernels cast their float arguments to float32 first.
+
 # Per-tensor / per-row scales and the bias are read through a stride: stride 0 broadcasts one
 # value, stride 1 reads one value per row (scale_a) or per column (scale_b, bias).
 
@@ -193,6 +197,8 @@ def _splitk_reduce_kernel(
 ):
     """c = epilogue(sum over splits of the float32 partial tiles), in a fixed order
     (deterministic, unlike atomics)."""
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    inv_k, eps = tl.cast(inv_k, tl.float32), tl.cast(eps, tl.float32)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -318,6 +324,8 @@ def _rms_norm_linear_kernel(
     writes its partial sum of squares (programs with pid_n == 0) and the reduce kernel forms
     rstd.
     """
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    eps = tl.cast(eps, tl.float32)
     pid_n, pid_k, offs_m, offs_n, offs_xm, offs_bn, k_start, k_len = _split_k_tile(
         M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
     )

@@ -1,0 +1,50 @@
+"""The norms kernels do their math in float32 whatever type their float arguments arrive in.
+
+torch.compile (inductor) passes a Python float argument (eps, offset) to a user kernel as
+float64, where an eager launch passes float32. Without the kernels' cast, float64 scalars promote
+the per-element math to float64 (the RMSNorm forward compiled with float64 scalars had 100 f64
+PTX instructions). No GPU needed: triton compiles for sm_90 offline. Under TRITON_INTERPRET=1
+(CI) the kernels are interpreter objects, so one test reruns this file in a subprocess with the
+interpreter off (kernel_lab.shared.testing.rerun_without_interpreter); the tests skip only where
+the triton wheel has no CUDA backend.
+"""
+
+import re
+
+import pytest
+
+from kernel_lab.norms import _kernels
+from kernel_lab.shared import testing
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_backend(request):
+    testing.require_sm90_compiler(request.node.name)
+
+
+def test_rerun_without_interpreter():
+    testing.rerun_without_interpreter(__file__, timeout=600)
+
+
+FLAGS = dict(HAS_WEIGHT=True, HAS_GATE=True)
+CASES = {  # kernel: (its float arguments, constexprs)
+    "_rms_norm_fwd_kernel": (("eps", "offset"), dict(FLAGS, HAS_RESIDUAL=True, ONE_TILE=True, BLOCK_M=2,
+                                                     BLOCK_N=2048)),
+    "_rms_norm_bwd_kernel": (("offset",), dict(FLAGS, HAS_DU=True, BLOCK_M=2, BLOCK_N=2048)),
+    "_rms_norm_bwd_wide_kernel": (("offset",), dict(FLAGS, HAS_DU=True, BLOCK_N=4096)),
+    "_layer_norm_fwd_kernel": (("eps",), dict(HAS_WEIGHT=True, HAS_BIAS=True, ONE_TILE=True, BLOCK_M=2,
+                                              BLOCK_N=2048)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_float64_scalar_arguments_leave_no_float64_math(name):
+    kernel = getattr(_kernels, name)
+    floats, constexprs = CASES[name]
+    types = {a: "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "dot_ptr") else "*bf16"
+             for a in kernel.arg_names if a.endswith("_ptr")}
+    types.update(dict.fromkeys(floats, "fp64"))
+    compiled = testing.compile_for_sm90(kernel, types, constexprs, num_warps=8, num_stages=1)
+    f64 = re.findall(r"\b[\w.]*\.f64\b", compiled.asm["ptx"])
+    # the one conversion per float argument (f64 -> f32) is all that may remain
+    assert all(op.startswith("cvt.") for op in f64) and len(f64) <= len(floats), f64
