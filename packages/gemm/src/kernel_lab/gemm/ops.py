@@ -128,10 +128,10 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
     """Launch the split-K reduce: c = epilogue(sum of the (SPLIT, M, N) float32 partials)."""
     n_splits, m, n = ws.shape
     block_m = min(16, max(1, runtime.next_power_of_2(m)))
-    # float(): with a symbolic K (torch.compile, dynamic=True) 1 / K is a symbolic float, which
-    # inductor's launcher (torch 2.11) passed where the kernel expected an int: it failed with
-    # "'float' object cannot be interpreted as an integer". A Python float (the graph guarded on
-    # K, the layer's hidden size) launches as in eager mode.
+    # float(): with a symbolic K (torch.compile, dynamic=True) 1 / K is a symbolic float, and
+    # inductor's launch of the kernel with it failed (torch 2.11, triton 3.6: "'float' object
+    # cannot be interpreted as an integer"). A Python float (the graph then guards on K, the
+    # layer's hidden size) launches as in eager mode.
     inv_k = float(1.0 / max(k, 1))
     dummy = c
     runtime.launchable(_splitk_reduce_kernel, traced)[(runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))](
