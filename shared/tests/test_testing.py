@@ -51,3 +51,35 @@ def test_rule_reports_nan_and_inf_mismatches():
 def test_rule_rejects_shape_mismatch():
     with pytest.raises(AssertionError, match="shape"):
         testing.assert_close_to_reference(torch.zeros(3), torch.zeros(4))
+
+
+class _FirstOrderSquare(torch.autograd.Function):
+    """x^2 whose backward is computed like a kernel's (no graph) and says so."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        from kernel_lab.shared import runtime
+
+        runtime.check_first_order_backward("square")
+        (x,) = ctx.saved_tensors
+        return (2 * x * dy).detach()
+
+
+def test_first_order_backward_works_and_double_backward_raises():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(_FirstOrderSquare.apply(x), x, torch.ones(5, dtype=torch.float64))
+    assert torch.equal(dx, 2 * x.detach())
+    with pytest.raises(RuntimeError, match=r"square: double backward is not supported"):
+        torch.autograd.grad(_FirstOrderSquare.apply(x), x, torch.ones(5, dtype=torch.float64), create_graph=True)
+    testing.assert_double_backward_raises(_FirstOrderSquare.apply, x)
+
+
+def test_assert_double_backward_raises_fails_for_a_twice_differentiable_op():
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(pytest.fail.Exception):
+        testing.assert_double_backward_raises(torch.sin, x)

@@ -171,3 +171,11 @@ def test_gpu_rope_compile_fullgraph(dynamic, seed):
         # Bitwise equal to eager, and both against the float64 reference (forward and backward).
         for x, out, dy, dx in zip((q, k), (qo, ko), dys, g, strict=True):
             assert_rope_matches_reference(x.detach(), out, c, s, dy, dx)
+
+
+@pytest.mark.interpret
+def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_device, seed):
+    cos, sin = _tables(1, 8, 16, interleaved=False, device=kernel_device, seed=seed)
+    q = testing.randn(1, 2, 8, 16, device=kernel_device, seed=seed, requires_grad=True)
+    k = testing.randn(1, 1, 8, 16, device=kernel_device, seed=seed + 1, requires_grad=True)
+    testing.assert_double_backward_raises(lambda q, k: apply_rope(q, k, cos, sin), q, k)

@@ -501,3 +501,10 @@ def test_gpu_eager_calls_do_not_dispatch_the_wrap_triton_hop(monkeypatch):
     with torch.no_grad():
         flash_attention(q, k, v)
     assert calls == []
+
+
+@pytest.mark.interpret
+def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_device, seed):
+    q, k, v, _ = _make((1, 2, 8, 16), (1, 1, 8, 16), torch.float16, kernel_device, seed)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    testing.assert_double_backward_raises(lambda q, k, v: flash_attention(q, k, v, causal=True), *leaves)

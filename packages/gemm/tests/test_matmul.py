@@ -331,3 +331,10 @@ def test_registered_ops_pass_opcheck(seed, monkeypatch, kernel_device):
         torch.library.opcheck(
             torch.ops.kernel_lab.gemm_fp8_matmul.default, (xq, wq.t(), sx, sw.t().contiguous(), None, torch.bfloat16)
         )
+
+
+@pytest.mark.interpret
+def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_device, seed):
+    a, b = make_operands(16, 32, 48, torch.float16, kernel_device, seed, "row", "col")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (a, b)]
+    testing.assert_double_backward_raises(lambda a, b: matmul(a, b, activation="silu"), *leaves)

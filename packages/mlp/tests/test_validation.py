@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernel_lab import mlp
 from kernel_lab.mlp import ops
 from kernel_lab.shared import reference, runtime
-from kernel_lab.shared.testing import assert_close_to_reference, randn
+from kernel_lab.shared.testing import assert_close_to_reference, assert_double_backward_raises, randn
 
 
 def _gated_calls():
@@ -177,3 +177,14 @@ def test_registered_ops_pass_opcheck_and_differentiate_like_eager(monkeypatch, s
     }[op]()
     for i, (g_op, ref) in enumerate(zip(grads_op, expected, strict=True)):
         assert_close_to_reference(g_op, ref, name=f"{op} grad {i}")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", ["swiglu", "silu_and_mul", "bias_gelu"])
+def test_double_backward_raises_instead_of_dropping_second_order_terms(op, kernel_device, seed):
+    x = randn(5, 12, device=kernel_device, seed=seed, requires_grad=True)
+    w = randn(5, 12, device=kernel_device, seed=seed + 1, requires_grad=True)
+    b = randn(12, device=kernel_device, seed=seed + 2, requires_grad=True)
+    fn, inputs = {"swiglu": (mlp.swiglu, (x, w)), "silu_and_mul": (mlp.silu_and_mul, (x,)),
+                  "bias_gelu": (mlp.bias_gelu, (x, b))}[op]
+    assert_double_backward_raises(fn, *inputs)

@@ -238,3 +238,14 @@ def test_patch_hf_on_a_transformers_llama_keeps_logits(kernel_device, seed):
         # float32 end to end; the norms' summation order differs, carried through two layers and
         # the LM head (docs/correctness.md, norms)
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward_raises_instead_of_dropping_second_order_terms(op, kernel_device, seed):
+    inputs = make_inputs(op, (3, 40), torch.float32, kernel_device, seed)
+    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if v is not None}
+    full = dict.fromkeys(("residual", "gate", "weight", "bias"))
+    testing.assert_double_backward_raises(
+        lambda *ts: tuple(call(op, full | dict(zip(leaves, ts, strict=True)), 1e-6, 0.0)), *leaves.values()
+    )

@@ -286,3 +286,11 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
     assert past.kind == "split"
     x = testing.randn(2, sm_count * ops.COOP_CHUNK, dtype=torch.bfloat16, device="cuda", seed=3)
     testing.assert_close_to_reference(softmax(x), reference.softmax(x), torch.softmax(x, -1), factor=FWD_FACTOR)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_double_backward_raises_instead_of_dropping_second_order_terms(op_name, kernel_device, seed):
+    ours = OPS[op_name][0]
+    x = testing.randn(3, 40, device=kernel_device, seed=seed, requires_grad=True)
+    testing.assert_double_backward_raises(lambda t: ours(t, -1), x)

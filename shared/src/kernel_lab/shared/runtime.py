@@ -32,6 +32,7 @@ __all__ = [
     "DirectLauncher",
     "backend",
     "check_backend",
+    "check_first_order_backward",
     "cuda_available",
     "device_info",
     "interpret_mode",
@@ -95,6 +96,22 @@ def check_backend(op: str, requested: str | None, x: torch.Tensor, arg: str = "t
         raise ValueError(
             f"{op}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for a CPU tensor, set "
             f"before importing kernel_lab); {arg} is on {x.device} and would run the PyTorch reference"
+        )
+
+
+def check_first_order_backward(op: str) -> None:
+    """Call first in the backward of a custom autograd.Function whose backward launches kernels.
+
+    With create_graph=True (double backward: gradient penalties, Hessian-vector products) the
+    backward runs in grad mode, and the kernels' outputs would carry no graph: every second-order
+    term through the op would be dropped without a word. Raise instead. (torch's
+    `once_differentiable` catches only an incoming gradient that requires grad, not inputs
+    saved for the backward that do.)
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: double backward is not supported (a backward with create_graph=True through "
+            f"this op): its backward kernels are not differentiable"
         )
 
 

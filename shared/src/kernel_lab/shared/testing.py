@@ -33,6 +33,7 @@ __all__ = [
     "RECORDED_REPORTS",
     "ErrorReport",
     "assert_close_to_reference",
+    "assert_double_backward_raises",
     "compile_for_sm90",
     "error_report",
     "make_generator",
@@ -210,6 +211,21 @@ def error_report(
         nonfinite_mismatches=mismatches,
         nonfinite_example=example,
     )
+
+
+def assert_double_backward_raises(fn, *inputs: torch.Tensor) -> None:
+    """A backward with create_graph=True through `fn(*inputs)` (a tensor or a tuple of them)
+    raises `runtime.check_first_order_backward`'s error, where the op's backward kernels would
+    otherwise hand back first-order gradients without a graph and silently drop every
+    second-order term through the op. Gradients are taken w.r.t. the inputs that require grad.
+    """
+    import pytest
+
+    leaves = [t for t in inputs if t.requires_grad]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], create_graph=True)
 
 
 def assert_close_to_reference(

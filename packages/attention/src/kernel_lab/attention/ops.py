@@ -393,6 +393,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        runtime.check_first_order_backward("flash_attention")
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
         dq, dk, dv = attention_bwd(do, q, k, v, out, lse, dlse, *ctx.args)
@@ -708,6 +709,7 @@ class _RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
+        runtime.check_first_order_backward("apply_rope")
         cos, sin, position_ids = ctx.saved_tensors
         dq, dk = rope_fwd(dq, dk, cos, sin, position_ids, *ctx.args, True)
         return dq, dk, None, None, None, None, None, None

@@ -504,6 +504,7 @@ class _MatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order_backward("matmul")
         a, b, bias = ctx.saved_tensors
         da, db, dbias = matmul_bwd(a, b, bias, ctx.activation, dy)
         return da, db, dbias, None, None

@@ -333,6 +333,7 @@ class _LauncherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order_backward("kernel_lab.mlp")
         return None, None, *_input_grads(ctx.bwd, ctx, dy)
 
 

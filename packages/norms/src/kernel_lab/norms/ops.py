@@ -457,6 +457,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, du):
+        runtime.check_first_order_backward("rms_norm")
         xn, gate, weight, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(xn)
@@ -475,6 +476,7 @@ class _LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order_backward("layer_norm")
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.eps)
         return dx, dw, db, None

@@ -283,6 +283,7 @@ class _SoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order_backward("softmax")
         (y,) = ctx.saved_tensors
         return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
 
