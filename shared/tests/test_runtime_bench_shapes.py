@@ -143,3 +143,21 @@ def test_rows_view_is_a_view_when_the_layout_allows_and_a_copy_otherwise():
     assert runtime.rows_view(torch.randn(0, 5)).shape == (0, 5)
     one_col = torch.randn(4, 3)[:, :1]
     assert runtime.rows_view(one_col).data_ptr() == one_col.data_ptr()  # a lone column needs no unit stride
+
+
+def test_forward_only_output_is_untouched_unless_an_input_requires_grad():
+    x = torch.randn(4)
+    out = x * 2
+    assert runtime.forward_only("op", out, x, None) is out and out.grad_fn is None
+    w = torch.randn(4, requires_grad=True)
+    with torch.no_grad():
+        assert runtime.forward_only("op", out, x, w) is out and not out.requires_grad
+
+
+def test_forward_only_backward_raises_naming_the_op():
+    w = torch.randn(4, requires_grad=True)
+    out = runtime.forward_only("my_op", w.detach() * 2, None, w)
+    assert out.requires_grad
+    out += 1  # the same tensor comes back, not a view: in-place updates stay legal
+    with pytest.raises(RuntimeError, match=r"my_op is forward only \(inference\): it has no backward"):
+        (out.sum() + w.sum()).backward()

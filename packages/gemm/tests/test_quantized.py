@@ -190,3 +190,14 @@ def test_quantized_matmul_torch_compile_fullgraph(seed):
     ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size)
     testing.assert_close_to_reference(out, ref, x @ qw.dequantize().to(x.dtype).T, factor=FACTOR,
                                       name="compiled int4 matmul")
+
+
+@pytest.mark.interpret
+def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
+    """Forward only: a backward through it raises instead of silently dropping its gradient."""
+    w = testing.randn(48, 64, dtype=torch.float16, device=kernel_device, seed=seed)
+    qw = quantize_weight(w, 8, 32, True)
+    x = testing.randn(5, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1, requires_grad=True)
+    y = quantized_matmul(x, qw)
+    with pytest.raises(RuntimeError, match="quantized_matmul is forward only"):
+        (y.float().sum() + x.float().sum()).backward()

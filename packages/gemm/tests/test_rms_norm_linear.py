@@ -108,3 +108,18 @@ def test_rms_norm_linear_torch_compile_fullgraph(dynamic, seed):
             torch.testing.assert_close(out, rms_norm_linear(x, g, w), rtol=0, atol=0)
         testing.assert_close_to_reference(out, reference.rms_norm_linear(x, g, w), unfused_baseline(x, g, w, 1e-6),
                                           factor=FACTOR, name="compiled rms_norm_linear")
+
+
+@pytest.mark.interpret
+def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
+    """Forward only: with inputs that require grad the output is tied to them, and a backward
+    raises instead of training with this op's contribution silently missing."""
+    x = testing.randn(5, 64, dtype=torch.float16, device=kernel_device, seed=seed, requires_grad=True)
+    g = testing.randn(64, dtype=torch.float16, device=kernel_device, seed=seed + 1, requires_grad=True)
+    w = testing.randn(48, 64, dtype=torch.float16, device=kernel_device, seed=seed + 2, requires_grad=True)
+    y = rms_norm_linear(x, g, w)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="rms_norm_linear is forward only"):
+        (y.float().sum() + x.float().sum()).backward()
+    with torch.no_grad():
+        assert not rms_norm_linear(x, g, w).requires_grad

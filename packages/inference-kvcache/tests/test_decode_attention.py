@@ -280,3 +280,16 @@ def test_custom_ops_pass_opcheck(kernel_device, seed):
     k_new = randn(2, 1, 2, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
     torch.library.opcheck(torch.ops.kernel_lab.kvcache_append.default,
                           (k_new, k_new, k.clone(), k.clone(), lengths - 1, None, None, None, None, None))
+
+
+@pytest.mark.interpret
+def test_backward_through_decode_raises(kernel_device, seed):
+    """Inference only: with a query that requires grad, a backward raises instead of silently
+    dropping the attention's gradient."""
+    k = randn(2, 8, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    v = randn(2, 8, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    q = randn(2, 4, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device).requires_grad_(True)
+    lengths = torch.tensor([8, 5], dtype=torch.int32, device=kernel_device)
+    out = flash_decode(q, k, v, lengths)
+    with pytest.raises(RuntimeError, match="flash_decode is forward only"):
+        (out.float().sum() + q.float().sum()).backward()

@@ -35,6 +35,7 @@ __all__ = [
     "check_first_order_backward",
     "cuda_available",
     "device_info",
+    "forward_only",
     "interpret_mode",
     "launchable",
     "measured_copy_bandwidth",
@@ -113,6 +114,37 @@ def check_first_order_backward(op: str) -> None:
             f"{op}: double backward is not supported (a backward with create_graph=True through "
             f"this op): its backward kernels are not differentiable"
         )
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Ties a forward-only op's output to the inputs that require grad; backward raises."""
+
+    @staticmethod
+    def forward(ctx, op: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.op = op
+        ctx.mark_dirty(out)  # `out` itself comes back (no view, so in-place updates stay legal)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.op} is forward only (inference): it has no backward, so gradients cannot "
+                           f"flow through it; run it under torch.no_grad() or use a differentiable op")
+
+
+def forward_only(op: str, out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """`out`, the result of forward-only op `op`, as returned to the caller.
+
+    Kernel outputs carry no autograd graph: if an input requires grad (grad mode on), a loss
+    that also reaches that input some other way would train with this op's contribution
+    silently missing. Here such an output is tied to the inputs through a node whose backward
+    raises. Otherwise (no_grad / inference_mode, or no input requiring grad) `out` is returned
+    as is, after one grad-mode check.
+    """
+    if torch.is_grad_enabled():
+        for t in inputs:  # (no list built on the common path: a decode call is a few us)
+            if t is not None and t.requires_grad:
+                return _ForwardOnly.apply(op, out, *(u for u in inputs if u is not None and u.requires_grad))
+    return out
 
 
 def cdiv(a: int, b: int) -> int:

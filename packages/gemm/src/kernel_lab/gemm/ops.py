@@ -657,7 +657,8 @@ def fp8_matmul(
         return reference.fp8_matmul(a, b, scale_a, scale_b, bias, compute_dtype=torch.float32).to(out_dtype)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.gemm_fp8_matmul(a, b, scale_a, scale_b, bias, out_dtype)
-    return matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b)
+    out = matmul_fwd(a, b, bias, "none", out_dtype, scale_a, scale_b)
+    return runtime.forward_only(op, out, a, b, scale_a, scale_b, bias)
 
 
 def quantize_fp8(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
@@ -811,7 +812,7 @@ def quantized_matmul(
     elif torch.compiler.is_compiling():
         y = torch.ops.kernel_lab.gemm_quantized_matmul(x2, *args)
     else:
-        y = quantized_matmul_fwd(x2, *args)
+        y = runtime.forward_only(op, quantized_matmul_fwd(x2, *args), x2, qweight.scales, bias)
     return y.reshape(*lead, n)
 
 
@@ -863,5 +864,6 @@ def rms_norm_linear(
     elif torch.compiler.is_compiling():
         y = torch.ops.kernel_lab.gemm_rms_norm_linear(x2, norm_weight, weight, bias, float(eps))
     else:
-        y = rms_norm_linear_fwd(x2, norm_weight, weight, bias, float(eps))
+        y = runtime.forward_only(op, rms_norm_linear_fwd(x2, norm_weight, weight, bias, float(eps)),
+                                 x2, norm_weight, weight, bias)
     return y.reshape(*lead, weight.shape[0])

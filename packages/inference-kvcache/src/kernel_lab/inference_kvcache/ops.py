@@ -457,7 +457,8 @@ def decode_checked_cache(
             q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale, c.v_scale, float(scale),
             num_splits,
         )
-    return _decode_launch(q, c, seq_ids, float(scale), num_splits)
+    out = _decode_launch(q, c, seq_ids, float(scale), num_splits)
+    return runtime.forward_only("flash_decode", out, q, c.k_cache, c.v_cache, c.k_scale, c.v_scale)
 
 
 def _flash_decode_reference(q, k_cache, v_cache, lengths, block_table, seq_ids, k_scale, v_scale, scale):
