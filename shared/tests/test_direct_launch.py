@@ -106,3 +106,19 @@ def test_direct_launch_follows_the_current_stream():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x * 5.0, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_direct_launch_runs_on_the_tensors_device_not_the_current_one():
+    """A model spread over GPUs calls the kernels with tensors on a GPU that is not the current
+    one: the launch must follow the tensors (as a torch op does), on that GPU's current stream."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    launcher = _direct_launcher()
+    for _ in range(2):  # the first launch compiles (JITFunction.run), the second is direct
+        x = torch.randn(1000, device="cuda:1")
+        y = torch.full_like(x, float("nan"))
+        with torch.cuda.device(0):
+            launcher[(triton.cdiv(1000, 256),)](x, y, 1000, 3.0, BLOCK=256)
+        torch.cuda.synchronize(1)
+        assert torch.equal(y, x * 3.0)

@@ -508,3 +508,20 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_de
     q, k, v, _ = _make((1, 2, 8, 16), (1, 1, 8, 16), torch.float16, kernel_device, seed)
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     testing.assert_double_backward_raises(lambda q, k, v: flash_attention(q, k, v, causal=True), *leaves)
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_the_inputs_gpu_not_the_current_one(seed):
+    """A model spread over GPUs (device_map="auto") calls with tensors on a non-current GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v, do = _make((1, 4, 128, 64), (1, 2, 128, 64), torch.bfloat16, "cuda:1", seed)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with torch.cuda.device(0):
+        out = flash_attention(*leaves, causal=True)
+        grads = torch.autograd.grad(out, leaves, do)
+    base, _, base_grads = _baseline(q, k, v, do, causal=True, window=None)
+    testing.assert_close_to_reference(out, reference.attention(q, k, v, causal=True), base, factor=FWD_FACTOR)
+    ref_grads = reference.attention_backward(q, k, v, do, causal=True)
+    for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
+        testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)

@@ -338,3 +338,15 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_de
     a, b = make_operands(16, 32, 48, torch.float16, kernel_device, seed, "row", "col")
     leaves = [t.detach().clone().requires_grad_(True) for t in (a, b)]
     testing.assert_double_backward_raises(lambda a, b: matmul(a, b, activation="silu"), *leaves)
+
+
+@pytest.mark.gpu
+def test_matmul_runs_on_the_operands_gpu_not_the_current_one(seed):
+    """A model spread over GPUs (device_map="auto") calls with tensors on a non-current GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    a, b = make_operands(300, 256, 512, torch.bfloat16, "cuda:1", seed, "row", "col")
+    bias = testing.randn(256, dtype=torch.bfloat16, device="cuda:1", seed=seed + 2)
+    with torch.cuda.device(0):
+        out = matmul(a, b, bias=bias, activation="silu")
+    check(out, a, b, bias, "silu")

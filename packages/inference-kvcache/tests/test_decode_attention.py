@@ -293,3 +293,16 @@ def test_backward_through_decode_raises(kernel_device, seed):
     out = flash_decode(q, k, v, lengths)
     with pytest.raises(RuntimeError, match="flash_decode is forward only"):
         (out.float().sum() + q.float().sum()).backward()
+
+
+@pytest.mark.gpu
+def test_decode_and_append_run_on_the_cache_gpu_not_the_current_one(kvh, seed):
+    """A model spread over GPUs (device_map="auto") keeps each layer's cache on its GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    cache = kvh.make_cache("paged", batch=2, max_len=64, h_kv=2, d=64, dtype=torch.bfloat16, device="cuda:1")
+    with torch.cuda.device(0):
+        kvh.fill(cache, 0, [64, 9], dtype=torch.bfloat16, seed=seed, prefill=64)
+        q = randn(2, 8, 64, dtype=torch.bfloat16, seed=seed + 1, device="cuda:1")
+        out = decode_attention(q, cache, 0)
+    kvh.check_decode(out, q, cache, 0)

@@ -40,6 +40,7 @@ __all__ = [
     "launchable",
     "measured_copy_bandwidth",
     "measured_matmul_flops",
+    "on_tensors_device",
     "row_tile",
     "rows_view",
     "sm_count",
@@ -174,6 +175,25 @@ def next_power_of_2(n: int) -> int:
     return power
 
 
+def on_tensors_device(launcher):
+    """Decorator of an eager launcher whose first argument is a tensor: runs it with that
+    tensor's GPU as the current device. Triton launches on the current device, and a model spread
+    over GPUs (e.g. Hugging Face device_map="auto") calls with tensors on another one; without
+    this every launch failed ("Pointer argument (at 0) cannot be accessed from Triton").
+    `DirectLauncher` does the same per launch; this is for launchers that also launch otherwise
+    (autotuned kernels, cached direct launches)."""
+
+    @functools.wraps(launcher)
+    def run_on_tensors_device(x, *args, **kwargs):
+        index = x.get_device()
+        if index >= 0 and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                return launcher(x, *args, **kwargs)
+        return launcher(x, *args, **kwargs)
+
+    return run_on_tensors_device
+
+
 def launchable(kernel, traced: bool):
     """The Triton kernel to index with a grid and call: `wrap_triton(kernel)` when `traced`,
     a `DirectLauncher` of it otherwise (where supported; else `kernel` itself).
@@ -237,9 +257,16 @@ class DirectLauncher:
     def _launch(self, grid, *args, **kwargs):
         kernel = self.kernel
         current_device, current_stream, knobs = _triton_launch_state()
+        device = current_device()
+        # Triton launches on the current CUDA device. A model spread over GPUs (e.g. Hugging
+        # Face device_map="auto") calls us with tensors on another one: launch on theirs, as a
+        # torch op would (the first argument of every kernel here is a tensor).
+        tensor_device = args[0].get_device() if isinstance(args[0], torch.Tensor) else device
+        if tensor_device != device and tensor_device >= 0:
+            with torch.cuda.device(tensor_device):
+                return self._launch(grid, *args, **kwargs)
         if kernel.pre_run_hooks or knobs.launch_enter_hook.calls or knobs.launch_exit_hook.calls:
             return kernel.run(*args, grid=grid, warmup=False, **kwargs)
-        device = current_device()
         bound_args, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
         key = (device, *specialization, *options.items())
         compiled = self._compiled.get(key)

@@ -135,6 +135,7 @@ def _ref_window(left: int, right: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 
+@runtime.on_tensors_device
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
@@ -182,6 +183,7 @@ def attention_fwd(
     return out, lse
 
 
+@runtime.on_tensors_device
 def attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None,

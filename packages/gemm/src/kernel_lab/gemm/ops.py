@@ -233,6 +233,7 @@ def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None
 # launchers (inputs already checked; a 2-D)
 
 
+@runtime.on_tensors_device
 def matmul_fwd(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -302,6 +303,7 @@ def matmul_fwd(
     return c
 
 
+@runtime.on_tensors_device
 def quantized_matmul_fwd(
     x: torch.Tensor,
     qdata: torch.Tensor,
@@ -359,6 +361,7 @@ def quantized_matmul_fwd(
     return c
 
 
+@runtime.on_tensors_device
 def rms_norm_linear_fwd(
     x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
     traced: bool = False,

@@ -166,6 +166,7 @@ def kv_append(
         kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
 
 
+@runtime.on_tensors_device
 def kv_append_fwd(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
@@ -612,6 +613,7 @@ def _tail(jit_fn, n_args: int, values: dict) -> tuple:
     return tuple(values[name] for name in jit_fn.arg_names[n_args:])
 
 
+@runtime.on_tensors_device
 def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) -> torch.Tensor:
     """The launches of one decode over a checked cache (seq_ids int32 or None)."""
     if runtime.backend(q) == "reference":
