@@ -116,8 +116,6 @@ def test_ops_under_torch_compile_fullgraph_match_eager(seed, op, dynamic):
     torch._dynamo.reset()
     fns = {
         "swiglu": (lambda x, w, b: mlp.swiglu(x, w) * 2.0, ("x", "w")),
-        "geglu": (lambda x, w, b: mlp.geglu(x, w, "tanh") * 2.0, ("x", "w")),
-        "silu_and_mul": (lambda x, w, b: mlp.silu_and_mul(x) + 1.0, ("x",)),
         "gelu_and_mul": (lambda x, w, b: mlp.gelu_and_mul(x, "tanh") + 1.0, ("x",)),
         "bias_gelu": (lambda x, w, b: mlp.bias_gelu(x, b) - w, ("x", "b", "w")),
     }
@@ -138,8 +136,9 @@ def test_ops_under_torch_compile_fullgraph_match_eager(seed, op, dynamic):
         grads_e = torch.autograd.grad(y_e, inputs, dy)
         torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
         for gc, ge in zip(grads_c, grads_e, strict=True):
-            # dbias is a float32 sum of per-program partials: allow the rounding of another
-            # summation order (a 300-row float32 sum), should the compiled graph plan differently
+            # allowance kept from when dbias's last sum was inductor code (another summation
+            # order); it is now the same sum_partials launch as eager (bit-equal in an H200 probe
+            # of four other shapes), not yet tightened: this test has not run since
             torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
 
 
