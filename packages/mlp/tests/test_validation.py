@@ -138,7 +138,7 @@ def test_ops_under_torch_compile_fullgraph_match_eager(seed, op, dynamic):
         for gc, ge in zip(grads_c, grads_e, strict=True):
             # allowance kept from when dbias's last sum was inductor code (another summation
             # order); it is now the same sum_partials launch as eager (bit-equal in an H200 probe
-            # of four other shapes), not yet tightened: this test has not run since
+            # of four other shapes); not tightened without a GPU run of the tighter check
             torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5 * float(ge.abs().max()))
 
 
