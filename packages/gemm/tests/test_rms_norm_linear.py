@@ -50,13 +50,15 @@ def test_rms_norm_linear_reference_backend(seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("m", [1, 5, 70])
+# (1, 30): one 32-column tile, which the interpreter's decode plan splits over K (two splits);
+# (5, 50): two tiles, one split; (70, 50): the prefill path
+@pytest.mark.parametrize("m,n", [(1, 30), (5, 50), (70, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, with_bias):
+def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, n, with_bias):
     x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
     g = testing.randn(96, dtype=torch.float16, device=kernel_device, seed=seed + 1)
-    w = testing.randn(50, 96, dtype=torch.float16, device=kernel_device, seed=seed + 2, scale=0.1)
-    bias = testing.randn(50, dtype=torch.float16, device=kernel_device, seed=seed + 3) if with_bias else None
+    w = testing.randn(n, 96, dtype=torch.float16, device=kernel_device, seed=seed + 2, scale=0.1)
+    bias = testing.randn(n, dtype=torch.float16, device=kernel_device, seed=seed + 3) if with_bias else None
     check(x, g, w, 1e-5, bias)
 
 

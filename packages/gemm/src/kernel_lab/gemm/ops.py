@@ -56,16 +56,20 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 # M at or below which the decode path (small BLOCK_M, split-K) runs: up to 64 rows one
 # 64-row tile covers M, and the weight read dominates the cost.
 SKINNY_MAX_M = 64
-# Decode tiles are 64 columns wide: N / 64 programs per split (64 for N = 4096) is few enough
-# that split-K is what fills the GPU.
+# Decode tiles are 64 columns wide for M <= 16 (16-row tiles) and 128 for M of 17 to 64 (32 or
+# 64 rows): in H200 sweeps (bf16, the four Llama-3-8B projections) 128 columns were fastest at
+# every shape at M = 64; at M = 16, 64 columns (128 tied or lost).
 SKINNY_BLOCK_N = 64
-# Programs per SM the split-K plan aims for: 2 waves of weight-streaming programs keep every
-# SM's loads in flight without making the float32 partials a large part of the traffic.
-SPLIT_PROGRAMS_PER_SM = 2
-# The split-K partials (written and read once, float32) may add at most this fraction of the
-# weight's bytes: at M = 64 this caps the split at 2 for K = 4096, at M <= 16 it rarely binds.
-SPLIT_MAX_TRAFFIC = 1 / 8
-# Every skinny-config BLOCK_K (128, 256) divides this, so a split boundary is a tile boundary.
+SKINNY_WIDE_BLOCK_N = 128
+# Programs per SM the split of K aims for, at most (split = SMs * this // output tiles, at
+# least 1), for 16-row tiles and for wider ones. Splitting K fills idle SMs but adds the reduce
+# kernel and its dependency (2-4 us). H200 sweeps (CUDA-graph replays, kernel + reduce): at
+# M = 16 no split was fastest from 64 output tiles up (half the SMs; e.g. N 6144: 15.7 us
+# against 19.5 at split 3), so 16-row tiles split only below half the SMs; at M = 64 one wave
+# of programs was fastest (N 6144: split 2, N 4096: 4, N 14336: 1).
+SPLIT_PROGRAMS_PER_SM = 0.5
+SPLIT_PROGRAMS_PER_SM_WIDE = 1.0
+# Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
 SKINNY_K_ALIGN = 256
 MAX_SPLIT_K = 16
 # Autotune keys bucket M by powers of two up to this: every prefill M >= 4096 shares a tuning.
@@ -107,18 +111,18 @@ class _SkinnyPlan:
         return (runtime.cdiv(m, self.block_m) * runtime.cdiv(n, self.block_n), self.split_k)
 
 
-def _skinny_plan(
-    m: int, n: int, k: int, weight_bytes: int, device: torch.device, k_align: int, block_n: int = SKINNY_BLOCK_N
-) -> _SkinnyPlan:
-    """BLOCK_M covering M, BLOCK_N, and the K split that fills the GPU (see constants)."""
+def _skinny_plan(m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None) -> _SkinnyPlan:
+    """BLOCK_M covering M, BLOCK_N (after M unless given), and the K split (see constants)."""
     interpret = device.type != "cuda"
     block_m = max(16, runtime.next_power_of_2(m))
+    wide = block_m > 16
+    if block_n is None:
+        block_n = SKINNY_WIDE_BLOCK_N if wide else SKINNY_BLOCK_N
     block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
-    split = runtime.cdiv(SPLIT_PROGRAMS_PER_SM * runtime.sm_count(device), tiles)
-    partial_bytes_per_split = 2 * m * n * 4
-    split = min(split, max(1, int(SPLIT_MAX_TRAFFIC * weight_bytes / partial_bytes_per_split)), MAX_SPLIT_K)
-    split = max(1, min(split, runtime.cdiv(k, k_align)))
+    programs_per_sm = SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM
+    split = int(runtime.sm_count(device) * programs_per_sm // tiles)
+    split = max(1, min(split, MAX_SPLIT_K, runtime.cdiv(k, k_align)))
     k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
     return _SkinnyPlan(block_m, block_n, runtime.cdiv(k, k_per_split), k_per_split)
 
@@ -273,7 +277,7 @@ def matmul_fwd(
     common = dict(HAS_BIAS=bias is not None, HAS_SCALE=has_scale, ACTIVATION=activation)
     if m <= SKINNY_MAX_M:
         k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
-        plan = _skinny_plan(m, n, k, b.numel() * b.element_size(), a.device, k_align)
+        plan = _skinny_plan(m, n, k, a.device, k_align)
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
@@ -337,7 +341,7 @@ def quantized_matmul_fwd(
     if m <= SKINNY_MAX_M:
         # int4 tiles are twice as wide as int8 ones so that each pipeline stage still moves 8 KiB
         # of weight (128 x 64 int8 codes, 64 x 128 int4 bytes).
-        plan = _skinny_plan(m, n, k, qdata.numel(), x.device, block_k, block_n=128 if bits == 4 else 64)
+        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=128 if bits == 4 else 64)
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
         launch = {}
         if not interpret:  # warps and stages autotuned
@@ -382,20 +386,22 @@ def rms_norm_linear_fwd(
     bias_arg = c if bias is None else bias
     if m <= SKINNY_MAX_M:
         k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
-        plan = _skinny_plan(m, n, k, weight.numel() * weight.element_size(), x.device, k_align)
+        plan = _skinny_plan(m, n, k, x.device, k_align)
         split = plan.split_k
-        ws = c if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        ssq = c if split == 1 else torch.empty((split, m), dtype=torch.float32, device=x.device)
+        # always split-K here, even for a split of 1: the kernel's extra program per split sums
+        # x^2 (see _rms_norm_linear_kernel) and the reduce forms rstd
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        ssq = torch.empty((split, m), dtype=torch.float32, device=x.device)
         kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
-        runtime.launchable(kernel, traced)[plan.grid(m, n)](
+        tiles, _ = plan.grid(m, n)
+        runtime.launchable(kernel, traced)[(tiles + 1, split)](
             x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
             x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
-            ws.stride(0) if split > 1 else 0, ssq.stride(0) if split > 1 else 0, plan.k_per_split, eps,
-            HAS_BIAS=bias is not None, WRITE_PARTIAL=split > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
+            ws.stride(0), ssq.stride(0), plan.k_per_split, eps,
+            HAS_BIAS=bias is not None, WRITE_PARTIAL=True, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
         )
-        if split > 1:
-            _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps, traced=traced)
+        _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps, traced=traced)
         return c
     args = (
         x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
