@@ -69,6 +69,12 @@ SKINNY_WIDE_BLOCK_N = 128
 # of programs was fastest (N 6144: split 2, N 4096: 4, N 14336: 1).
 SPLIT_PROGRAMS_PER_SM = 0.5
 SPLIT_PROGRAMS_PER_SM_WIDE = 1.0
+# The weight-only (dequantizing) kernels keep the earlier plan: split K for at least 2 programs
+# per SM, the float32 partials (written and read once) at most 1/8 of the weight's bytes. Under
+# the plan above they were up to 2.5x slower on an H200 (int4 M = 16, N 4096, K 14336: 108 us
+# against 51): unpacking codes costs instructions per weight byte, and more programs hide it.
+QUANT_SPLIT_PROGRAMS_PER_SM = 2
+QUANT_SPLIT_MAX_TRAFFIC = 1 / 8
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
 SKINNY_K_ALIGN = 256
 MAX_SPLIT_K = 16
@@ -111,8 +117,12 @@ class _SkinnyPlan:
         return (runtime.cdiv(m, self.block_m) * runtime.cdiv(n, self.block_n), self.split_k)
 
 
-def _skinny_plan(m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None) -> _SkinnyPlan:
-    """BLOCK_M covering M, BLOCK_N (after M unless given), and the K split (see constants)."""
+def _skinny_plan(
+    m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None,
+    quantized_bytes: int | None = None,
+) -> _SkinnyPlan:
+    """BLOCK_M covering M, BLOCK_N (after M unless given), and the K split (see constants);
+    quantized_bytes: the weight's bytes, for the weight-only kernels' plan."""
     interpret = device.type != "cuda"
     block_m = max(16, runtime.next_power_of_2(m))
     wide = block_m > 16
@@ -120,8 +130,12 @@ def _skinny_plan(m: int, n: int, k: int, device: torch.device, k_align: int, blo
         block_n = SKINNY_WIDE_BLOCK_N if wide else SKINNY_BLOCK_N
     block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
-    programs_per_sm = SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM
-    split = int(runtime.sm_count(device) * programs_per_sm // tiles)
+    sms = runtime.sm_count(device)
+    if quantized_bytes is None:
+        split = int(sms * (SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM) // tiles)
+    else:
+        split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM * sms, tiles)
+        split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC * quantized_bytes / (2 * m * n * 4))))
     split = max(1, min(split, MAX_SPLIT_K, runtime.cdiv(k, k_align)))
     k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
     return _SkinnyPlan(block_m, block_n, runtime.cdiv(k, k_per_split), k_per_split)
@@ -341,7 +355,7 @@ def quantized_matmul_fwd(
     if m <= SKINNY_MAX_M:
         # int4 tiles are twice as wide as int8 ones so that each pipeline stage still moves 8 KiB
         # of weight (128 x 64 int8 codes, 64 x 128 int4 bytes).
-        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=128 if bits == 4 else 64)
+        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=128 if bits == 4 else 64, quantized_bytes=qdata.numel())
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
         launch = {}
         if not interpret:  # warps and stages autotuned
