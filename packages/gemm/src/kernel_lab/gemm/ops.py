@@ -132,7 +132,8 @@ def _skinny_plan(
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
     sms = runtime.sm_count(device)
     if quantized_bytes is None:
-        split = int(sms * (SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM) // tiles)
+        # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
+        split = int(sms * (SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM)) // tiles
     else:
         split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM * sms, tiles)
         split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC * quantized_bytes / (2 * m * n * 4))))
