@@ -49,15 +49,51 @@ FWD_NAMES = ("Q", "K", "V", "Out", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K")
 def test_forward_kernel_compiles_for_sm90(dtype, head_dim, varlen, float_type, blocks):
     bm, bn, warps, stages = blocks
     kernel = _compile(_kernels._attn_fwd_kernel, _ptrs(dtype, FWD_NAMES), {
-        "IS_VARLEN": varlen, "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-        "BLOCK_M": bm, "BLOCK_N": bn, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        "IS_VARLEN": varlen, "USE_TMA": False, "BSHD": False, "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_M": bm, "BLOCK_N": bn,
+        "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }, float_type=float_type, num_warps=warps, num_stages=stages)
     assert "cubin" in kernel.asm
 
 
+@pytest.mark.parametrize(("head_dim", "bshd", "blocks"),
+                         [(128, False, (128, 128, 8, 3)), (64, True, (128, 64, 8, 3)), (96, False, (128, 64, 8, 4))])
+def test_tma_forward_kernel_compiles_for_sm90(head_dim, bshd, blocks):
+    """The forward with q/k/v as 4-D TMA descriptors (what the launcher uses on Hopper)."""
+    bm, bn, warps, stages = blocks
+    block_d = triton.next_power_of_2(head_dim)
+    rows = (lambda n: [1, n, 1, block_d]) if bshd else (lambda n: [1, 1, n, block_d])
+    types = _ptrs("bf16", FWD_NAMES)
+    for name, n in (("Q", bm), ("K", bn), ("V", bn)):
+        types[name] = f"tensordesc<bf16{rows(n)}>"
+    kernel = _compile(_kernels._attn_fwd_kernel, types, {
+        "IS_VARLEN": False, "USE_TMA": True, "BSHD": bshd, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
+        "BLOCK_M": bm, "BLOCK_N": bn, "DOT_PRECISION": "tf32",
+    }, float_type="fp64", num_warps=warps, num_stages=stages)
+    assert "cubin" in kernel.asm
+    assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in the forward"
+
+
+def test_tma_backward_kernels_compile_for_sm90():
+    """dK/dV with q and dO, dQ with k and v as TMA descriptors (Hopper, as the launcher does)."""
+    common = {"IS_VARLEN": False, "USE_TMA": True, "BSHD": False, "HEAD_DIM": 128, "BLOCK_D": 128,
+              "DOT_PRECISION": "tf32"}
+    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
+    types = _ptrs("bf16", names)
+    dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, {**types, "Q": "tensordesc<bf16[1, 1, 32, 128]>",
+                                                    "DO": "tensordesc<bf16[1, 1, 32, 128]>"},
+                    {**common, "BLOCK_M": 32, "BLOCK_N": 128})
+    dq = _compile(_kernels._attn_bwd_dq_kernel, {**types, "K": "tensordesc<bf16[1, 1, 32, 128]>",
+                                                "V": "tensordesc<bf16[1, 1, 32, 128]>"},
+                  {**common, "BLOCK_M": 128, "BLOCK_N": 32})
+    for kernel in (dkdv, dq):
+        assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in a backward kernel"
+
+
 @pytest.mark.parametrize("float_type", ["fp32", "fp64"])
 def test_backward_kernels_compile_for_sm90(float_type):
-    common = {"IS_VARLEN": False, "HEAD_DIM": 128, "BLOCK_D": 128, "DOT_PRECISION": "tf32"}
+    common = {"IS_VARLEN": False, "USE_TMA": False, "BSHD": False, "HEAD_DIM": 128, "BLOCK_D": 128,
+              "DOT_PRECISION": "tf32"}
     names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, _ptrs("bf16", names),
                     {**common, "BLOCK_M": 32, "BLOCK_N": 128}, float_type=float_type)
@@ -78,6 +114,6 @@ def test_rope_kernel_compiles_for_sm90(interleaved, position_ids, copy_tail):
     kernel = _compile(_kernels._rope_kernel, ptrs, {
         "HAS_POSITION_IDS": position_ids, "INTERLEAVED": interleaved, "BACKWARD": not interleaved,
         "COPY_TAIL": copy_tail, "HEAD_DIM": 128, "ROTARY_DIM": 64 if copy_tail else 128, "BLOCK_T": 64,
-        "BLOCK_HALF": 32 if copy_tail else 64, "BLOCK_TAIL": 64 if copy_tail else 1,
+        "BLOCK_HALF": 32 if copy_tail else 64, "BLOCK_TAIL": 64 if copy_tail else 1, "HEADS_PER_PROGRAM": 8,
     }, num_warps=4, num_stages=1)
     assert "cubin" in kernel.asm

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernel_lab.attention import apply_rope
+from kernel_lab.attention import ops as attention_ops
 from kernel_lab.shared import reference, testing
 
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
@@ -92,12 +93,17 @@ def test_rope_reference_backend(monkeypatch, seed, interleaved):
     [(False, "bhsd", None, torch.float16, True), (True, "bshd", None, torch.float32, False),
      (False, "bshd", 16, torch.float16, True), (True, "bhsd", 24, torch.float16, True)],
 )
-def test_rope_matches_reference(interleaved, layout, rotary_dim, dtype, per_batch, kernel_device, seed):
+def test_rope_matches_reference(interleaved, layout, rotary_dim, dtype, per_batch, kernel_device, seed, monkeypatch):
     b, t, d = 2, 9, 48  # head dim 48: a masked tail in the 64-wide block
+    # One program per SM of 4: each program then rotates 4 heads, the last one of 9 heads alone
+    # (q's heads and k's meet inside one program's loop).
+    monkeypatch.setattr(attention_ops, "ROPE_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(attention_ops.runtime, "sm_count", lambda device: 4)
+    assert attention_ops._rope_heads_per_program(b * 9, torch.device(kernel_device)) == 4
     r = rotary_dim or d
     cos, sin = _tables(b, t, r, interleaved=interleaved, device=kernel_device, per_batch=per_batch, seed=seed)
     q = testing.randn(b, 6, t, d, dtype=dtype, device=kernel_device, seed=seed)
-    k = testing.randn(b, 2, t, d, dtype=dtype, device=kernel_device, seed=seed + 1)
+    k = testing.randn(b, 3, t, d, dtype=dtype, device=kernel_device, seed=seed + 1)
     if layout == "bshd":
         q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
     check_rope(q, k, cos, sin, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, seed=seed)

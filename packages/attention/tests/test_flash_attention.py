@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernel_lab.attention import attention, attention_backend, flash_attention, flash_attention_varlen
+from kernel_lab.attention import ops as attention_ops
 from kernel_lab.shared import reference, testing
 
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
@@ -256,6 +257,33 @@ def test_flash_attention_forward_backward_match_reference(b, hq, hkv, tq, tk, d,
                                                           kernel_device, seed):
     q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, kernel_device, seed, layout)
     check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
+
+
+# The kernels with TMA descriptors (Hopper) run under the interpreter too, with _hopper forced,
+# forward and backward: decode, GQA, Tq > Tk with MQA, a head dim below its block (96 of 128),
+# both layouts, a window, all with masked tails (the descriptors zero-fill past T and D).
+TMA_CASES = [CASES[i] for i in (0, 1, 2, 3, 6, 7)]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(("b", "hq", "hkv", "tq", "tk", "d", "causal", "window", "layout", "dtype"), TMA_CASES)
+def test_tma_kernels_match_reference(b, hq, hkv, tq, tk, d, causal, window, layout, dtype, kernel_device, seed,
+                                     monkeypatch):
+    monkeypatch.setattr(attention_ops, "_hopper", lambda device: True)
+    q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, kernel_device, seed, layout)
+    assert attention_ops._use_tma(q, k, v, layout, do)
+    check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_negative_and_zero_scale(scale, tma, kernel_device, seed, monkeypatch):
+    """The kernel takes row maxima before scaling, which needs scale >= 0: a negative scale runs
+    as (-q) k^T |scale|; a zero scale gives uniform weights over the allowed keys (causal)."""
+    monkeypatch.setattr(attention_ops, "_hopper", lambda device: tma)
+    q, k, v, do = _make((1, 2, 37, 32), (1, 2, 37, 32), torch.float16, kernel_device, seed)
+    check_attention(q, k, v, do, scale=scale, causal=True)
 
 
 @pytest.mark.interpret

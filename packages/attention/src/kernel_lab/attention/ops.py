@@ -20,6 +20,11 @@ import torch.nn.functional as F
 import triton
 from torch.library import triton_op
 
+try:  # host-side tensor descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 from kernel_lab.shared import reference, runtime
 
 from ._kernels import (
@@ -54,6 +59,29 @@ def _configs(kind: str, head_dim: int) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
+def _tma_configs(kind: str, head_dim: int) -> list[triton.Config]:
+    """Candidates with the streamed operands through TMA (Hopper, head_dim <= 128), best first.
+    Forward: 128 x 128 tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200);
+    the backward keeps its pointer configs. The pre-hook sizes the descriptors' blocks."""
+    if kind == "fwd":
+        shapes = [(128, 128, 8, 3), (128, 64, 8, 3)] if head_dim > 64 else [(128, 64, 8, 3), (128, 128, 8, 3)]
+        shapes += [(128, 64, 8, 4)]
+    else:
+        shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                  for c in _configs(kind, head_dim)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_tma_block_shapes)
+            for m, n, w, s in shapes]
+
+
+def _tma_block_shapes(nargs: dict) -> None:
+    """Set the block shapes of a launch's descriptor arguments to its tiles: query-side tensors
+    (Q, DO) move BLOCK_M rows, key-side ones (K, V) BLOCK_N; dim order per BSHD."""
+    for name, tile in (("Q", "BLOCK_M"), ("DO", "BLOCK_M"), ("K", "BLOCK_N"), ("V", "BLOCK_N")):
+        if TensorDescriptor is not None and isinstance(nargs.get(name), TensorDescriptor):
+            rows, block_d = nargs[tile], nargs["BLOCK_D"]
+            nargs[name].block_shape = [1, rows, 1, block_d] if nargs["BSHD"] else [1, 1, rows, block_d]
+
+
 # Block sizes under the Triton interpreter: small enough that 80-token test sequences span
 # several query and key blocks (so the masked / unmasked loop split is exercised), large
 # enough to keep the interpreter's per-block overhead bearable. tl.dot needs >= 16.
@@ -61,22 +89,27 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 # KERNEL_LAB_ATTENTION_AUTOTUNE=0 skips autotuning and runs each kernel's first config (e.g. the
 # gpu test tier, where dozens of shapes x head dims would otherwise each compile every config).
 AUTOTUNE_ENV = "KERNEL_LAB_ATTENTION_AUTOTUNE"
-_TUNED: dict[tuple[str, bool], object] = {}
+USE_TMA = os.environ.get("KERNEL_LAB_ATTENTION_TMA", "1") != "0"
+_TUNED: dict[tuple, object] = {}
 
 
-def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device):
+def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, tma: bool = False):
     """(launchable kernel, fixed meta-parameters): the autotuned kernel on CUDA, fixed small
-    blocks under the interpreter (autotuning there would only multiply the CPU time)."""
+    blocks under the interpreter (autotuning there would only multiply the CPU time).
+    tma: the forward with descriptor arguments (its configs size the descriptors' blocks)."""
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
+    configs = _tma_configs(kind, head_dim) if tma else _configs(kind, head_dim)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
-        cfg = _configs(kind, head_dim)[0]
+        cfg = configs[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    key = (kind, head_dim > 128)
+    key = (kind, head_dim > 128 if not tma else head_dim > 64, tma)
     if key not in _TUNED:
         # Keyed by the head dim; the tensors' dtypes are part of the key automatically.
-        _TUNED[key] = triton.autotune(configs=_configs(kind, head_dim), key=["HEAD_DIM", "IS_VARLEN"])(kernel)
+        # (with TMA the layout changes the descriptors' blocks, so it is part of the key too)
+        tune_key = ["HEAD_DIM", "IS_VARLEN", "BSHD"] if tma else ["HEAD_DIM", "IS_VARLEN"]
+        _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
     return _TUNED[key], {}
 
 
@@ -170,17 +203,60 @@ def attention_fwd(
         # Never read (IS_VARLEN is False), but a real tensor: inductor's handling of None
         # arguments to user Triton kernels is fragile.
         cu_seqlens_q = cu_seqlens_k = lse
-    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device)
+    if scale < 0:
+        # The kernel takes row maxima of the unscaled scores (max(s) * scale = max(s * scale)
+        # needs scale >= 0): (-q) k^T |scale| is the same logit.
+        q, scale = -q, -scale
+    use_tma = _use_tma(q, k, v, layout)
+    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, tma=use_tma)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
+    consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
+                  BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
+    qkv = _descriptors(meta, consts, Q=q, K=k, V=v) if use_tma else (q, k, v)
     kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *qkv, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
         *_bht_strides(out, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale * LOG2E,
-        IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), **meta,
+        **consts, **meta,
     )
     return out, lse
+
+
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and runtime.device_info(device.index).capability[0] == 9
+
+
+def _use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, do: torch.Tensor | None = None) -> bool:
+    """Whether the kernels read their streamed operands through TMA: on Hopper, fixed-length
+    16-bit inputs with head_dim <= 128 (where it was measured on an H200) whose strides and bases
+    TMA can address (16-byte aligned, unit stride along D). KERNEL_LAB_ATTENTION_TMA=0: never."""
+    return (
+        USE_TMA
+        and TensorDescriptor is not None
+        and layout != "varlen"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 128
+        and _hopper(q.device)
+        and all(_tma_addressable(t) for t in (q, k, v) if t is not None)
+        and (do is None or _tma_addressable(do))
+    )
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((st * size) % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _descriptors(meta: dict, consts: dict, **tensors: torch.Tensor) -> tuple:
+    """4-D TMA descriptors of (B, H, T, D) or (B, T, H, D) tensors, in their own dim order, for
+    the kernel arguments named by the keywords (Q, K, V, DO). The autotuner's pre-hook sizes
+    their blocks per config; with fixed tiles (`meta`: interpreter, autotuning off) it is done here."""
+    descs = {name: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 16]) for name, t in tensors.items()}
+    if meta:
+        _tma_block_shapes({**descs, **consts, **meta})
+    return tuple(descs.values())
 
 
 @runtime.on_tensors_device
@@ -227,22 +303,26 @@ def attention_bwd(
     if dlse is not None:
         # d lse / d s = P, so a logsumexp gradient enters dS = P * (dP - delta) as -dlse.
         delta = delta - dlse.to(torch.float32)
-    common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
+    use_tma = _use_tma(q, k, v, layout, do)
+    common = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  DOT_PRECISION=_dot_precision(q.dtype))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
     if rows_k > 0 and dk.numel() > 0:
-        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
+        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, tma=use_tma)
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
+        q_in, do_in = (_descriptors(meta, common, Q=q, DO=do) if use_tma else (q, do))
         kernel[grid](
-            q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
+            q_in, k, v, do_in, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
             **common, **meta,
         )
-    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
+    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, tma=use_tma)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
+    k_in, v_in = (_descriptors(meta, common, K=k, V=v) if use_tma else (k, v))
     kernel[grid](
-        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
+        q, k_in, v_in, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
         **common, **meta,
@@ -623,6 +703,24 @@ def _rope_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+# RoPE tiling: ROPE_TILE elements of one head per (program, head); each program rotates up to
+# ROPE_MAX_HEADS heads at the same positions, loading their cos/sin once, while the launch keeps
+# at least ROPE_PROGRAMS_PER_SM programs per SM (a decode step's few positions keep one head per
+# program: there the heads run in parallel instead of one after another).
+ROPE_TILE = 8192
+ROPE_MAX_HEADS = 8
+ROPE_PROGRAMS_PER_SM = 4
+
+
+def _rope_heads_per_program(head_tiles: int, device: torch.device) -> int:
+    """Heads per program (a power of two <= ROPE_MAX_HEADS) for `head_tiles` (position tile, head) pairs."""
+    per_program = head_tiles // (ROPE_PROGRAMS_PER_SM * runtime.sm_count(device))
+    heads = 1
+    while heads * 2 <= min(per_program, ROPE_MAX_HEADS):
+        heads *= 2
+    return heads
+
+
 def rope_fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
     interleaved: bool, rotary_dim: int, layout: str, backward: bool,
@@ -656,13 +754,14 @@ def rope_fwd(
         stride_cb, stride_ct = 0, cos.stride(0)
     pos_strides = (position_ids.stride(0), position_ids.stride(1)) if position_ids is not None else (0, 0)
     head_dim = q.shape[-1]
-    # About 8K elements per program (64 positions of a 128-wide head): enough bytes in flight
-    # per program to stream at HBM rate, with cos/sin rows reused from L2 across heads.
-    block_t = max(1, min(runtime.next_power_of_2(seqlen), 8192 // runtime.next_power_of_2(head_dim)))
+    # About 8K elements per head and program (64 positions of a 128-wide head): enough bytes in
+    # flight per program to stream at HBM rate.
+    block_t = max(1, min(runtime.next_power_of_2(seqlen), ROPE_TILE // runtime.next_power_of_2(head_dim)))
     copy_tail = rotary_dim < head_dim and not inplace
-    # Heads vary fastest (axis 0, up to 2**31 programs): programs running together share the
-    # same cos/sin rows in L2.
-    grid = (batch * (n_q_heads + n_k_heads), runtime.cdiv(seqlen, block_t))
+    n_heads = n_q_heads + n_k_heads
+    n_tiles = batch * runtime.cdiv(seqlen, block_t)
+    heads_per_program = _rope_heads_per_program(n_tiles * n_heads, q.device)
+    grid = (n_tiles, runtime.cdiv(n_heads, heads_per_program))
     runtime.launchable(_rope_kernel, traced)[grid](
         q, k, q_out, k_out, cos, sin,
         cos if position_ids is None else position_ids,  # a placeholder pointer when unused
@@ -674,7 +773,7 @@ def rope_fwd(
         COPY_TAIL=copy_tail, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_T=block_t,
         BLOCK_HALF=runtime.next_power_of_2(rotary_dim // 2),
         BLOCK_TAIL=runtime.next_power_of_2(max(1, head_dim - rotary_dim)),
-        num_warps=4,
+        HEADS_PER_PROGRAM=heads_per_program, num_warps=4,
     )
     return q_out, k_out
 
