@@ -74,26 +74,9 @@ def test_tma_forward_kernel_compiles_for_sm90(head_dim, bshd, blocks):
     assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in the forward"
 
 
-def test_tma_backward_kernels_compile_for_sm90():
-    """dK/dV with q and dO, dQ with k and v as TMA descriptors (Hopper, as the launcher does)."""
-    common = {"IS_VARLEN": False, "USE_TMA": True, "BSHD": False, "HEAD_DIM": 128, "BLOCK_D": 128,
-              "DOT_PRECISION": "tf32"}
-    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
-    types = _ptrs("bf16", names)
-    dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, {**types, "Q": "tensordesc<bf16[1, 1, 32, 128]>",
-                                                    "DO": "tensordesc<bf16[1, 1, 32, 128]>"},
-                    {**common, "BLOCK_M": 32, "BLOCK_N": 128})
-    dq = _compile(_kernels._attn_bwd_dq_kernel, {**types, "K": "tensordesc<bf16[1, 1, 32, 128]>",
-                                                "V": "tensordesc<bf16[1, 1, 32, 128]>"},
-                  {**common, "BLOCK_M": 128, "BLOCK_N": 32})
-    for kernel in (dkdv, dq):
-        assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in a backward kernel"
-
-
 @pytest.mark.parametrize("float_type", ["fp32", "fp64"])
 def test_backward_kernels_compile_for_sm90(float_type):
-    common = {"IS_VARLEN": False, "USE_TMA": False, "BSHD": False, "HEAD_DIM": 128, "BLOCK_D": 128,
-              "DOT_PRECISION": "tf32"}
+    common = {"IS_VARLEN": False, "HEAD_DIM": 128, "BLOCK_D": 128, "DOT_PRECISION": "tf32"}
     names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, _ptrs("bf16", names),
                     {**common, "BLOCK_M": 32, "BLOCK_N": 128}, float_type=float_type)

@@ -251,39 +251,32 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, pid_b, h,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
     offs_n, offs_d, m_lo, m_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-    MASK: tl.constexpr, USE_TMA: tl.constexpr, BSHD: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [m_lo, m_hi), all transposed:
-    S^T = K Q^T (N, M), so P^T is used as is in dV += P^T dO and dK += dS^T Q.
-    q_src / do_src: descriptors (USE_TMA, addressed by pid_b and query head h) or base pointers."""
+    S^T = K Q^T (N, M), so P^T is used as is in dV += P^T dO and dK += dS^T Q."""
     arange_m = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEAD_DIM
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + arange_m
-        if USE_TMA:
-            qt = _tma_rows(q_src, pid_b, h, m0, BSHD, BLOCK_M, BLOCK_D).T
-            do = _tma_rows(do_src, pid_b, h, m0, BSHD, BLOCK_M, BLOCK_D)
+        qt_ptrs = q_base + offs_m[None, :] * stride_qt + offs_d[:, None]
+        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASK:
+            row_ok = offs_m < seqlen_q
+            qt = tl.load(qt_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         else:
-            qt_ptrs = q_src + offs_m[None, :] * stride_qt + offs_d[:, None]
-            do_ptrs = do_src + offs_m[:, None] * stride_dot + offs_d[None, :]
-            if MASK:
-                row_ok = offs_m < seqlen_q
-                qt = tl.load(qt_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
-                do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            elif HEAD_DIM == BLOCK_D:
+            if HEAD_DIM == BLOCK_D:
                 qt = tl.load(qt_ptrs)
                 do = tl.load(do_ptrs)
             else:
                 qt = tl.load(qt_ptrs, mask=d_ok[:, None], other=0.0)
                 do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
-        if MASK:
-            row_ok = offs_m < seqlen_q
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        else:
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         # lse = -inf marks a row without keys; +inf makes its P exactly 0.
@@ -302,8 +295,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_k", "left", "right"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO,  # pointers; with USE_TMA, Q and DO are 4-D tensor descriptors (see _tma_rows)
-    LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -315,7 +307,6 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, rows_k, left, right,
     sm_scale, qk_scale,
     IS_VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, BSHD: tl.constexpr,  # as in the forward
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -347,26 +338,20 @@ def _attn_bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _query_ranges(n0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
     # GQA: the query heads that share this kv head all add into one dK/dV, in registers.
     for g in range(0, group):
-        h = kv_h * group + g
-        if USE_TMA:
-            q_src = Q
-            do_src = DO
-        else:
-            q_src = Q + pid_b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-            q_src += q_start.to(tl.int64) * stride_qt
-            do_src = DO + pid_b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-            do_src += q_start.to(tl.int64) * stride_dot
-        lse_base = LSE + pid_b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start.to(tl.int64)
-        delta_base = DELTA + pid_b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start.to(tl.int64)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, pid_b, h,
+        h = (kv_h * group + g).to(tl.int64)
+        q_base = Q + pid_b.to(tl.int64) * stride_qb + h * stride_qh + q_start.to(tl.int64) * stride_qt
+        do_base = DO + pid_b.to(tl.int64) * stride_dob + h * stride_doh + q_start.to(tl.int64) * stride_dot
+        lse_base = LSE + pid_b.to(tl.int64) * stride_lb + h * stride_lh + q_start.to(tl.int64)
+        delta_base = DELTA + pid_b.to(tl.int64) * stride_lb + h * stride_lh + q_start.to(tl.int64)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 True, USE_TMA, BSHD, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, pid_b, h,
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 False, USE_TMA, BSHD, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qt, stride_dot, pid_b, h,
+                                 False, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 True, USE_TMA, BSHD, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
     dk = dk * sm_scale
     tl.store(DK + pid_b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh + rows_k[:, None] * stride_dkt
              + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -376,32 +361,27 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
+    dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
     n_lo, n_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-    MASK: tl.constexpr, USE_TMA: tl.constexpr, BSHD: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ of one query block over key blocks [n_lo, n_hi): dQ += dS K.
-    k_src / v_src: as in `_fwd_inner`."""
+    """Accumulate dQ of one query block over key blocks [n_lo, n_hi): dQ += dS K."""
     arange_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + arange_n
-        if USE_TMA:
-            kt = _tma_rows(k_src, pid_b, kv_h, n0, BSHD, BLOCK_N, BLOCK_D).T
-            vt = _tma_rows(v_src, pid_b, kv_h, n0, BSHD, BLOCK_N, BLOCK_D).T
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        vt_ptrs = v_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
         else:
-            kt_ptrs = k_src + offs_n[None, :] * stride_kt + offs_d[:, None]
-            vt_ptrs = v_src + offs_n[None, :] * stride_vt + offs_d[:, None]
-            if MASK:
-                kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
-                vt = tl.load(vt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
-            elif HEAD_DIM == BLOCK_D:
-                kt = tl.load(kt_ptrs)
-                vt = tl.load(vt_ptrs)
-            else:
-                kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-                vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
@@ -414,8 +394,7 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_q", "left", "right"])
 def _attn_bwd_dq_kernel(
-    Q, K, V,  # pointers; with USE_TMA, K and V are 4-D tensor descriptors (see _tma_rows)
-    DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -426,7 +405,6 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, rows_q, left, right,
     sm_scale, qk_scale,
     IS_VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, BSHD: tl.constexpr,  # as in the forward
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -457,23 +435,19 @@ def _attn_bwd_dq_kernel(
     lse = tl.load(LSE + l_off, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-    if USE_TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
-        v_src = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
+    k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
+    v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
-                       True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                       False, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
+                       False, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                       True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + pid_b.to(tl.int64) * stride_dqb + pid_h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)

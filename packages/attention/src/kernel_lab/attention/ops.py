@@ -59,27 +59,22 @@ def _configs(kind: str, head_dim: int) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _tma_configs(kind: str, head_dim: int) -> list[triton.Config]:
-    """Candidates with the streamed operands through TMA (Hopper, head_dim <= 128), best first.
-    Forward: 128 x 128 tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200);
-    the backward keeps its pointer configs. The pre-hook sizes the descriptors' blocks."""
-    if kind == "fwd":
-        shapes = [(128, 128, 8, 3), (128, 64, 8, 3)] if head_dim > 64 else [(128, 64, 8, 3), (128, 128, 8, 3)]
-        shapes += [(128, 64, 8, 4)]
-    else:
-        shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                  for c in _configs(kind, head_dim)]
+def _tma_configs(head_dim: int) -> list[triton.Config]:
+    """Forward candidates with q/k/v through TMA (Hopper, head_dim <= 128), best first: 128 x 128
+    tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200). The pre-hook
+    sizes the descriptors' blocks to each config's tiles."""
+    shapes = [(128, 128, 8, 3), (128, 64, 8, 3)] if head_dim > 64 else [(128, 64, 8, 3), (128, 128, 8, 3)]
+    shapes += [(128, 64, 8, 4)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_tma_block_shapes)
             for m, n, w, s in shapes]
 
 
 def _tma_block_shapes(nargs: dict) -> None:
-    """Set the block shapes of a launch's descriptor arguments to its tiles: query-side tensors
-    (Q, DO) move BLOCK_M rows, key-side ones (K, V) BLOCK_N; dim order per BSHD."""
-    for name, tile in (("Q", "BLOCK_M"), ("DO", "BLOCK_M"), ("K", "BLOCK_N"), ("V", "BLOCK_N")):
-        if TensorDescriptor is not None and isinstance(nargs.get(name), TensorDescriptor):
-            rows, block_d = nargs[tile], nargs["BLOCK_D"]
-            nargs[name].block_shape = [1, rows, 1, block_d] if nargs["BSHD"] else [1, 1, rows, block_d]
+    """Set the q/k/v descriptors' block shapes to the launch's tiles: Q moves BLOCK_M rows, K and
+    V BLOCK_N; dim order per BSHD."""
+    for name, tile in (("Q", "BLOCK_M"), ("K", "BLOCK_N"), ("V", "BLOCK_N")):
+        rows, block_d = nargs[tile], nargs["BLOCK_D"]
+        nargs[name].block_shape = [1, rows, 1, block_d] if nargs["BSHD"] else [1, 1, rows, block_d]
 
 
 # Block sizes under the Triton interpreter: small enough that 80-token test sequences span
@@ -100,7 +95,7 @@ def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, tma
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
-    configs = _tma_configs(kind, head_dim) if tma else _configs(kind, head_dim)
+    configs = _tma_configs(head_dim) if tma else _configs(kind, head_dim)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
         cfg = configs[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -227,10 +222,12 @@ def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and runtime.device_info(device.index).capability[0] == 9
 
 
-def _use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, do: torch.Tensor | None = None) -> bool:
-    """Whether the kernels read their streamed operands through TMA: on Hopper, fixed-length
-    16-bit inputs with head_dim <= 128 (where it was measured on an H200) whose strides and bases
-    TMA can address (16-byte aligned, unit stride along D). KERNEL_LAB_ATTENTION_TMA=0: never."""
+def _use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> bool:
+    """Whether the forward reads q, k, v through TMA: on Hopper, fixed-length 16-bit inputs with
+    head_dim <= 128 (where it was measured on an H200) whose strides and bases TMA can address
+    (16-byte aligned, unit stride along D). KERNEL_LAB_ATTENTION_TMA=0: never.
+    The backward keeps pointer loads: with its q/dO (dK/dV) and k/v (dQ) loops through TMA it
+    was 5-7% slower at three of five bf16 shapes on an H200 (faster at one, even at one)."""
     return (
         USE_TMA
         and TensorDescriptor is not None
@@ -238,8 +235,7 @@ def _use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, do:
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= 128
         and _hopper(q.device)
-        and all(_tma_addressable(t) for t in (q, k, v) if t is not None)
-        and (do is None or _tma_addressable(do))
+        and all(_tma_addressable(t) for t in (q, k, v))
     )
 
 
@@ -251,8 +247,8 @@ def _tma_addressable(t: torch.Tensor) -> bool:
 
 def _descriptors(meta: dict, consts: dict, **tensors: torch.Tensor) -> tuple:
     """4-D TMA descriptors of (B, H, T, D) or (B, T, H, D) tensors, in their own dim order, for
-    the kernel arguments named by the keywords (Q, K, V, DO). The autotuner's pre-hook sizes
-    their blocks per config; with fixed tiles (`meta`: interpreter, autotuning off) it is done here."""
+    the kernel arguments named by the keywords (Q, K, V). The autotuner's pre-hook sizes their
+    blocks per config; with fixed tiles (`meta`: interpreter, autotuning off) it is done here."""
     descs = {name: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 16]) for name, t in tensors.items()}
     if meta:
         _tma_block_shapes({**descs, **consts, **meta})
@@ -303,26 +299,22 @@ def attention_bwd(
     if dlse is not None:
         # d lse / d s = P, so a logsumexp gradient enters dS = P * (dP - delta) as -dlse.
         delta = delta - dlse.to(torch.float32)
-    use_tma = _use_tma(q, k, v, layout, do)
-    common = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim, BLOCK_D=block_d,
-                  DOT_PRECISION=_dot_precision(q.dtype))
+    common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
     if rows_k > 0 and dk.numel() > 0:
-        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, tma=use_tma)
+        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
-        q_in, do_in = (_descriptors(meta, common, Q=q, DO=do) if use_tma else (q, do))
         kernel[grid](
-            q_in, k, v, do_in, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
+            q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
             **common, **meta,
         )
-    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, tma=use_tma)
+    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    k_in, v_in = (_descriptors(meta, common, K=k, V=v) if use_tma else (k, v))
     kernel[grid](
-        q, k_in, v_in, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
+        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
         **common, **meta,
