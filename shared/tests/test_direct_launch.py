@@ -122,3 +122,49 @@ def test_direct_launch_runs_on_the_tensors_device_not_the_current_one():
             launcher[(triton.cdiv(1000, 256),)](x, y, 1000, 3.0, BLOCK=256)
         torch.cuda.synchronize(1)
         assert torch.equal(y, x * 3.0)
+
+
+
+@pytest.mark.gpu
+def test_direct_launch_of_an_autotuned_kernel_skips_the_autotuner_once_tuned(monkeypatch):
+    """Autotuned kernels: the first call of a key tunes through Autotuner.run; later calls launch
+    the tuned config directly (running its pre-hook), with the same results; a new key (another
+    dtype) tunes again."""
+    hooked = []
+
+    def pre_hook(nargs):
+        hooked.append(nargs["BLOCK"])
+
+    tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK": 64}, num_warps=2, pre_hook=pre_hook),
+                 triton.Config({"BLOCK": 256}, num_warps=4, pre_hook=pre_hook)],
+        key=["n"],
+    )(_scaled_copy_kernel)
+    if not runtime.DirectLauncher.supports(tuned):
+        pytest.skip(f"direct launch not used with triton {triton.__version__} or KERNEL_LAB_DIRECT_LAUNCH=0")
+    launcher = runtime.DirectLauncher(tuned)
+    assert launcher.kernel is _scaled_copy_kernel
+    tuner_runs = []
+    real_run = tuned.run
+    monkeypatch.setattr(tuned, "run", lambda *a, **k: tuner_runs.append(1) or real_run(*a, **k))
+
+    def launch(x, y, scale):
+        launcher[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](x, y, x.numel(), scale)
+
+    x = torch.randn(5000, device="cuda")
+    y = torch.empty_like(x)
+    launch(x, y, 2.0)
+    torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
+    assert tuner_runs == [1], "the first call of a key goes through Autotuner.run"
+    best = tuned.cache[(5000, "torch.float32", "torch.float32")]
+    hooked.clear()
+    for scale in (3.0, -1.0):
+        launch(x, y, scale)
+        torch.testing.assert_close(y, x * scale, rtol=0, atol=0)
+    assert tuner_runs == [1], "a tuned key must not go through Autotuner.run again"
+    assert hooked == [best.kwargs["BLOCK"]] * 2, "the tuned config's pre-hook runs on every direct launch"
+    xh = x.half()
+    yh = torch.empty_like(xh)
+    launch(xh, yh, 2.0)
+    assert tuner_runs == [1, 1], "a new key (dtype) tunes"
+    torch.testing.assert_close(yh, xh * 2.0, rtol=0, atol=0)

@@ -208,7 +208,7 @@ def attention_fwd(
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
                   BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
     qkv = _descriptors(meta, consts, Q=q, K=k, V=v) if use_tma else (q, k, v)
-    kernel[grid](
+    runtime.launchable(kernel, False)[grid](
         *qkv, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
         *_bht_strides(out, layout), stride_lb, stride_lh,
@@ -291,7 +291,7 @@ def attention_bwd(
         cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
     # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
     pre_block = 64 if q.device.type == "cuda" else 32
-    _attn_bwd_preprocess_kernel[(runtime.cdiv(rows_q, pre_block) * batch * n_heads,)](
+    runtime.launchable(_attn_bwd_preprocess_kernel, False)[(runtime.cdiv(rows_q, pre_block) * batch * n_heads,)](
         out, do, delta, cu_seqlens_q, *_bht_strides(out, layout), *_bht_strides(do, layout),
         stride_lb, stride_lh, n_heads, seqlen_q, rows_q,
         IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block,
@@ -305,7 +305,7 @@ def attention_bwd(
     if rows_k > 0 and dk.numel() > 0:
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
-        kernel[grid](
+        runtime.launchable(kernel, False)[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
@@ -313,7 +313,7 @@ def attention_bwd(
         )
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    kernel[grid](
+    runtime.launchable(kernel, False)[grid](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(dq, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
