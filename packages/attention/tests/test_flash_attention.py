@@ -270,6 +270,7 @@ TMA_CASES = [CASES[i] for i in (0, 1, 2, 3, 6, 7)]
 def test_tma_forward_matches_reference(b, hq, hkv, tq, tk, d, causal, window, layout, dtype, kernel_device, seed,
                                      monkeypatch):
     monkeypatch.setattr(attention_ops, "_hopper", lambda device: True)
+    monkeypatch.setattr(attention_ops, "TMA_MIN_WORK", 0)
     q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, kernel_device, seed, layout)
     assert attention_ops._use_tma(q, k, v, layout)
     check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
@@ -282,6 +283,7 @@ def test_negative_and_zero_scale(scale, tma, kernel_device, seed, monkeypatch):
     """The kernel takes row maxima before scaling, which needs scale >= 0: a negative scale runs
     as (-q) k^T |scale|; a zero scale gives uniform weights over the allowed keys (causal)."""
     monkeypatch.setattr(attention_ops, "_hopper", lambda device: tma)
+    monkeypatch.setattr(attention_ops, "TMA_MIN_WORK", 0)
     q, k, v, do = _make((1, 2, 37, 32), (1, 2, 37, 32), torch.float16, kernel_device, seed)
     check_attention(q, k, v, do, scale=scale, causal=True)
 

@@ -85,6 +85,11 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 # gpu test tier, where dozens of shapes x head dims would otherwise each compile every config).
 AUTOTUNE_ENV = "KERNEL_LAB_ATTENTION_AUTOTUNE"
 USE_TMA = os.environ.get("KERNEL_LAB_ATTENTION_TMA", "1") != "0"
+# Smallest B * Hq * Tq * Tk * D that takes the TMA forward. Building three descriptors and
+# launching with them costs host time: 137 us per eager call against 73 us with pointers on the
+# lent H200 host (triton 3.6), so below about 150 us of GPU work (B4 H32 T1024 D128 causal runs
+# 125 us) the pointer kernel finishes first.
+TMA_MIN_WORK = 1 << 34
 _TUNED: dict[tuple, object] = {}
 
 
@@ -202,7 +207,7 @@ def attention_fwd(
         # The kernel takes row maxima of the unscaled scores (max(s) * scale = max(s * scale)
         # needs scale >= 0): (-q) k^T |scale| is the same logit.
         q, scale = -q, -scale
-    use_tma = _use_tma(q, k, v, layout)
+    use_tma = _use_tma(q, k, v, layout) and batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, tma=use_tma)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
