@@ -74,20 +74,32 @@ def test_tma_forward_kernel_compiles_for_sm90(head_dim, bshd, blocks):
     assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in the forward"
 
 
-@pytest.mark.parametrize("float_type", ["fp32", "fp64"])
-def test_backward_kernels_compile_for_sm90(float_type):
-    common = {"IS_VARLEN": False, "HEAD_DIM": 128, "BLOCK_D": 128, "DOT_PRECISION": "tf32"}
+HOPPER_SMEM = 227 * 1024  # shared memory a Hopper block may use
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "float_type"),
+                         [("bf16", 128, "fp64"), ("bf16", 64, "fp32"), ("fp32", 128, "fp32"), ("fp32", 64, "fp32")])
+def test_backward_kernels_compile_for_sm90(dtype, head_dim, float_type):
+    """The backward kernels with the tiles the launcher runs first (autotuning off) compile for
+    sm_90 and fit in its shared memory, float32 included."""
+    from kernel_lab.attention import ops
+
+    itemsize = 4 if dtype == "fp32" else 2
+    common = {"IS_VARLEN": False, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
+              "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
-    dkdv = _compile(_kernels._attn_bwd_dkdv_kernel, _ptrs("bf16", names),
-                    {**common, "BLOCK_M": 32, "BLOCK_N": 128}, float_type=float_type)
-    dq = _compile(_kernels._attn_bwd_dq_kernel, _ptrs("bf16", names),
-                  {**common, "BLOCK_M": 128, "BLOCK_N": 32}, float_type=float_type)
-    pre = _compile(_kernels._attn_bwd_preprocess_kernel, _ptrs("bf16", ("Out", "DO", "DELTA", "CU_SEQLENS_Q")),
-                   {"IS_VARLEN": True, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64}, num_warps=4)
-    assert all("cubin" in k.asm for k in (dkdv, dq, pre))
+    compiled = {}
+    for kind, fn in (("dkdv", _kernels._attn_bwd_dkdv_kernel), ("dq", _kernels._attn_bwd_dq_kernel)):
+        cfg = ops._configs(kind, head_dim, itemsize)[0]
+        compiled[kind] = _compile(fn, _ptrs(dtype, names), {**common, **cfg.kwargs}, float_type=float_type,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        assert compiled[kind].metadata.shared <= HOPPER_SMEM, (kind, cfg, compiled[kind].metadata.shared)
+    pre = _compile(_kernels._attn_bwd_preprocess_kernel, _ptrs(dtype, ("Out", "DO", "DELTA", "CU_SEQLENS_Q")),
+                   {"IS_VARLEN": True, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_M": 64}, num_warps=4)
+    assert all("cubin" in k.asm for k in (*compiled.values(), pre))
     if float_type == "fp64":
         # fp64 arguments are converted once; no fp64 arithmetic in the loops (slow on GPUs).
-        assert dq.asm["ptx"].count(".f64") <= 4, "fp64 math in the dq kernel"
+        assert compiled["dq"].asm["ptx"].count(".f64") <= 4, "fp64 math in the dq kernel"
 
 
 @pytest.mark.parametrize(("interleaved", "position_ids", "copy_tail"), [(False, False, True), (True, True, False)])

@@ -95,11 +95,12 @@ def test_rope_reference_backend(monkeypatch, seed, interleaved):
 )
 def test_rope_matches_reference(interleaved, layout, rotary_dim, dtype, per_batch, kernel_device, seed, monkeypatch):
     b, t, d = 2, 9, 48  # head dim 48: a masked tail in the 64-wide block
-    # One program per SM of 4: each program then rotates 4 heads, the last one of 9 heads alone
-    # (q's heads and k's meet inside one program's loop).
+    # One program per SM of 3: the 9 heads (6 of q, 3 of k) of each of the 2 position tiles go
+    # in 2 groups of 5, so the second program holds q's last head and k's three (q's and k's
+    # heads meet inside one program's loop) and is one head short (the loop's bound check).
     monkeypatch.setattr(attention_ops, "ROPE_PROGRAMS_PER_SM", 1)
-    monkeypatch.setattr(attention_ops.runtime, "sm_count", lambda device: 4)
-    assert attention_ops._rope_heads_per_program(b * 9, torch.device(kernel_device)) == 4
+    monkeypatch.setattr(attention_ops.runtime, "sm_count", lambda device: 3)
+    assert attention_ops._rope_heads_per_program(b * 9, 9, torch.device(kernel_device)) == 5
     r = rotary_dim or d
     cos, sin = _tables(b, t, r, interleaved=interleaved, device=kernel_device, per_batch=per_batch, seed=seed)
     q = testing.randn(b, 6, t, d, dtype=dtype, device=kernel_device, seed=seed)

@@ -44,18 +44,24 @@ UNBOUNDED = 1 << 30
 LOG2E = 1.4426950408889634
 
 
-def _configs(kind: str, head_dim: int) -> list[triton.Config]:
+def _configs(kind: str, head_dim: int, itemsize: int) -> list[triton.Config]:
     """Autotune candidates per kernel, best first (the first is used when autotuning is off).
     Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at D <= 128; above 128 the
-    tiles shrink so the fp32 accumulator (BLOCK x D) still fits in registers."""
-    big = head_dim > 128
+    tiles shrink so the fp32 accumulator (BLOCK x D) still fits in registers. The backward's
+    large tiles also need 16-bit inputs: in float32 at D = 128 the 64 x 128 dK/dV tile with 3
+    stages asks for 289 KiB of shared memory (227 KiB on Hopper), so float32 rows wider than
+    256 bytes take the small tiles."""
+    big = head_dim > 128 or (kind != "fwd" and head_dim * itemsize > 256)
     if kind == "fwd":
         shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if big else [
             (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
+    # Backward tiles, measured on an H200 (bf16, B4 H32, one kernel at a time): at D = 128 and
+    # T >= 4096 the 64 x 128 dK/dV and 128 x 64 dQ tiles run 15-20% faster than the others;
+    # at T = 1024, at D = 64 and with GQA (fewer key programs) the smaller ones win by 2-16%.
     elif kind == "dkdv":  # BLOCK_M: query rows per step, BLOCK_N: key rows held by the program
-        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if big else [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)]
+        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if big else [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]
     else:  # dq: BLOCK_M query rows held, BLOCK_N keys per step
-        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if big else [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)]
+        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -90,25 +96,33 @@ USE_TMA = os.environ.get("KERNEL_LAB_ATTENTION_TMA", "1") != "0"
 # lent H200 host (triton 3.6), so below about 150 us of GPU work (B4 H32 T1024 D128 causal runs
 # 125 us) the pointer kernel finishes first.
 TMA_MIN_WORK = 1 << 34
+# The backward is tuned separately for sequences up to 1024, up to 4096 and longer: its best
+# tiles change with the length (see `_configs`).
+BWD_TUNE_LENGTHS = (1024, 4096)
 _TUNED: dict[tuple, object] = {}
 
 
-def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, tma: bool = False):
+def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, *, itemsize: int = 2,
+                     tma: bool = False, rows: int = 0):
     """(launchable kernel, fixed meta-parameters): the autotuned kernel on CUDA, fixed small
     blocks under the interpreter (autotuning there would only multiply the CPU time).
-    tma: the forward with descriptor arguments (its configs size the descriptors' blocks)."""
+    tma: the forward with descriptor arguments (its configs size the descriptors' blocks).
+    rows: the longer sequence (backward kinds), which picks the length bucket it is tuned for."""
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
-    configs = _tma_configs(head_dim) if tma else _configs(kind, head_dim)
+    configs = _tma_configs(head_dim) if tma else _configs(kind, head_dim, itemsize)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
         cfg = configs[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    key = (kind, head_dim > 128 if not tma else head_dim > 64, tma)
+    # One autotuner per candidate list and, for the backward, per length bucket; each is keyed
+    # by the head dim (the tensors' dtypes are part of the key automatically); with TMA the
+    # layout changes the descriptors' blocks, and in the backward the GQA group changes how
+    # many key programs there are, so those are in the key too.
+    bucket = sum(rows > bound for bound in BWD_TUNE_LENGTHS) if kind != "fwd" else 0
+    key = (kind, tma, tuple(str(c) for c in configs), bucket)
     if key not in _TUNED:
-        # Keyed by the head dim; the tensors' dtypes are part of the key automatically.
-        # (with TMA the layout changes the descriptors' blocks, so it is part of the key too)
-        tune_key = ["HEAD_DIM", "IS_VARLEN", "BSHD"] if tma else ["HEAD_DIM", "IS_VARLEN"]
+        tune_key = ["HEAD_DIM", "IS_VARLEN"] + (["BSHD"] if tma else []) + (["group"] if kind != "fwd" else [])
         _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
     return _TUNED[key], {}
 
@@ -208,7 +222,7 @@ def attention_fwd(
         # needs scale >= 0): (-q) k^T |scale| is the same logit.
         q, scale = -q, -scale
     use_tma = _use_tma(q, k, v, layout) and batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK
-    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, tma=use_tma)
+    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, itemsize=q.element_size(), tma=use_tma)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
                   BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
@@ -308,7 +322,8 @@ def attention_bwd(
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
     if rows_k > 0 and dk.numel() > 0:
-        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device)
+        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, itemsize=q.element_size(),
+                                         rows=max(rows_q, rows_k))
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
         runtime.launchable(kernel, False)[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
@@ -316,7 +331,8 @@ def attention_bwd(
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
             **common, **meta,
         )
-    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device)
+    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, itemsize=q.element_size(),
+                                     rows=max(rows_q, rows_k))
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     runtime.launchable(kernel, False)[grid](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
@@ -703,22 +719,22 @@ def _rope_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
 # RoPE tiling: ROPE_TILE elements of one head per (program, head); each program rotates up to
 # ROPE_MAX_HEADS heads at the same positions, loading their cos/sin once, while the launch keeps
 # at least ROPE_PROGRAMS_PER_SM programs per SM (a decode step's few positions keep one head per
-# program: there the heads run in parallel instead of one after another).
-# Up to 16 heads, 8 warps on full tiles: 93.4 us at B4 T4096 H32/8 D128 bf16 on an H200, against
-# 96.1 us for one head per program (4 warps) and 96.7 us for up to 8 heads.
+# program: there the heads run in parallel instead of one after another). The heads are split
+# into equal groups, so no program gets a short share.
+# Measured at B4 T4096 H32/8 D128 bf16 on an H200 (64 positions, 8 warps): 90.4 us with all
+# 40 heads in one program, 91.5 us with 20, 93.3 us with 16, 96.7 us with 8, 102.4 us with 4.
 ROPE_TILE = 8192
-ROPE_MAX_HEADS = 16
-ROPE_PROGRAMS_PER_SM = 4
+ROPE_MAX_HEADS = 64
+ROPE_PROGRAMS_PER_SM = 1
 ROPE_NUM_WARPS = 8
 
 
-def _rope_heads_per_program(head_tiles: int, device: torch.device) -> int:
-    """Heads per program (a power of two <= ROPE_MAX_HEADS) for `head_tiles` (position tile, head) pairs."""
-    per_program = head_tiles // (ROPE_PROGRAMS_PER_SM * runtime.sm_count(device))
-    heads = 1
-    while heads * 2 <= min(per_program, ROPE_MAX_HEADS):
-        heads *= 2
-    return heads
+def _rope_heads_per_program(head_tiles: int, n_heads: int, device: torch.device) -> int:
+    """Heads per program for `head_tiles` (position tile, head) pairs of `n_heads` heads: the
+    fewest equal groups of at most ROPE_MAX_HEADS heads that leave enough programs."""
+    cap = min(head_tiles // (ROPE_PROGRAMS_PER_SM * runtime.sm_count(device)), ROPE_MAX_HEADS, n_heads)
+    groups = runtime.cdiv(n_heads, max(cap, 1))
+    return runtime.cdiv(n_heads, groups)
 
 
 def rope_fwd(
@@ -760,7 +776,7 @@ def rope_fwd(
     copy_tail = rotary_dim < head_dim and not inplace
     n_heads = n_q_heads + n_k_heads
     n_tiles = batch * runtime.cdiv(seqlen, block_t)
-    heads_per_program = _rope_heads_per_program(n_tiles * n_heads, q.device)
+    heads_per_program = _rope_heads_per_program(n_tiles * n_heads, n_heads, q.device)
     grid = (n_tiles, runtime.cdiv(n_heads, heads_per_program))
     runtime.launchable(_rope_kernel, traced)[grid](
         q, k, q_out, k_out, cos, sin,
