@@ -90,7 +90,7 @@ def test_backward_kernels_compile_for_sm90(dtype, head_dim, float_type):
     names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     compiled = {}
     for kind, fn in (("dkdv", _kernels._attn_bwd_dkdv_kernel), ("dq", _kernels._attn_bwd_dq_kernel)):
-        cfg = ops._configs(kind, head_dim, itemsize)[0]
+        cfg = ops._configs(kind, ops._small_tiles(kind, head_dim, itemsize))[0]
         compiled[kind] = _compile(fn, _ptrs(dtype, names), {**common, **cfg.kwargs}, float_type=float_type,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert compiled[kind].metadata.shared <= HOPPER_SMEM, (kind, cfg, compiled[kind].metadata.shared)

@@ -44,24 +44,27 @@ UNBOUNDED = 1 << 30
 LOG2E = 1.4426950408889634
 
 
-def _configs(kind: str, head_dim: int, itemsize: int) -> list[triton.Config]:
+def _small_tiles(kind: str, head_dim: int, itemsize: int) -> bool:
+    """Whether a kernel takes the small tiles: above D = 128 the large ones' fp32 accumulator
+    (BLOCK x D) no longer fits in registers. The backward's large tiles also need 16-bit
+    inputs: in float32 at D = 128 the 64 x 128 dK/dV tile with 3 stages asks for 289 KiB of
+    shared memory (227 KiB on Hopper), so float32 rows wider than 256 bytes take the small ones."""
+    return head_dim > 128 or (kind != "fwd" and head_dim * itemsize > 256)
+
+
+def _configs(kind: str, small: bool) -> list[triton.Config]:
     """Autotune candidates per kernel, best first (the first is used when autotuning is off).
-    Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at D <= 128; above 128 the
-    tiles shrink so the fp32 accumulator (BLOCK x D) still fits in registers. The backward's
-    large tiles also need 16-bit inputs: in float32 at D = 128 the 64 x 128 dK/dV tile with 3
-    stages asks for 289 KiB of shared memory (227 KiB on Hopper), so float32 rows wider than
-    256 bytes take the small tiles."""
-    big = head_dim > 128 or (kind != "fwd" and head_dim * itemsize > 256)
+    Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at D <= 128."""
     if kind == "fwd":
-        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if big else [
+        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if small else [
             (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
     # Backward tiles, measured on an H200 (bf16, B4 H32, one kernel at a time): at D = 128 and
     # T >= 4096 the 64 x 128 dK/dV and 128 x 64 dQ tiles run 15-20% faster than the others;
     # at T = 1024, at D = 64 and with GQA (fewer key programs) the smaller ones win by 2-16%.
     elif kind == "dkdv":  # BLOCK_M: query rows per step, BLOCK_N: key rows held by the program
-        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if big else [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]
+        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if small else [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]
     else:  # dq: BLOCK_M query rows held, BLOCK_N keys per step
-        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
+        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if small else [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -111,20 +114,22 @@ def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, *, 
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
-    configs = _tma_configs(head_dim) if tma else _configs(kind, head_dim, itemsize)
+    small = _small_tiles(kind, head_dim, itemsize)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
-        cfg = configs[0]
+        cfg = (_tma_configs(head_dim) if tma else _configs(kind, small))[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # One autotuner per candidate list and, for the backward, per length bucket; each is keyed
     # by the head dim (the tensors' dtypes are part of the key automatically); with TMA the
     # layout changes the descriptors' blocks, and in the backward the GQA group changes how
     # many key programs there are, so those are in the key too.
     bucket = sum(rows > bound for bound in BWD_TUNE_LENGTHS) if kind != "fwd" else 0
-    key = (kind, tma, tuple(str(c) for c in configs), bucket)
-    if key not in _TUNED:
+    key = (kind, tma, head_dim > 64 if tma else small, bucket)
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        configs = _tma_configs(head_dim) if tma else _configs(kind, small)
         tune_key = ["HEAD_DIM", "IS_VARLEN"] + (["BSHD"] if tma else []) + (["group"] if kind != "fwd" else [])
-        _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
-    return _TUNED[key], {}
+        tuned = _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
+    return tuned, {}
 
 
 def _grid(meta: dict, grid_fn):
