@@ -26,7 +26,8 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, *, float_type="fp32
 
 
 def _ptrs(dtype, names):
-    return {n: ("*fp32" if n in ("LSE", "DELTA") else "*i32" if n.startswith("CU_") else f"*{dtype}") for n in names}
+    fp32 = ("LSE", "DLSE", "DELTA")
+    return {n: ("*fp32" if n in fp32 else "*i32" if n.startswith("CU_") else f"*{dtype}") for n in names}
 
 
 @pytest.fixture(autouse=True)
@@ -87,16 +88,15 @@ def test_backward_kernels_compile_for_sm90(dtype, head_dim, float_type):
     itemsize = 4 if dtype == "fp32" else 2
     common = {"IS_VARLEN": False, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
               "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
+    names = ("Q", "K", "V", "DO", "Out", "LSE", "DLSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     compiled = {}
     for kind, fn in (("dkdv", _kernels._attn_bwd_dkdv_kernel), ("dq", _kernels._attn_bwd_dq_kernel)):
         cfg = ops._configs(kind, ops._small_tiles(kind, head_dim, itemsize))[0]
-        compiled[kind] = _compile(fn, _ptrs(dtype, names), {**common, **cfg.kwargs}, float_type=float_type,
+        consts = {**common, **cfg.kwargs, **({"HAS_DLSE": dtype == "bf16"} if kind == "dq" else {})}
+        compiled[kind] = _compile(fn, _ptrs(dtype, names), consts, float_type=float_type,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert compiled[kind].metadata.shared <= HOPPER_SMEM, (kind, cfg, compiled[kind].metadata.shared)
-    pre = _compile(_kernels._attn_bwd_preprocess_kernel, _ptrs(dtype, ("Out", "DO", "DELTA", "CU_SEQLENS_Q")),
-                   {"IS_VARLEN": True, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_M": 64}, num_warps=4)
-    assert all("cubin" in k.asm for k in (*compiled.values(), pre))
+    assert all("cubin" in k.asm for k in compiled.values())
     if float_type == "fp64":
         # fp64 arguments are converted once; no fp64 arithmetic in the loops (slow on GPUs).
         assert compiled["dq"].asm["ptx"].count(".f64") <= 4, "fp64 math in the dq kernel"

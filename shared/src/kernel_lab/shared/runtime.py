@@ -244,13 +244,15 @@ class DirectLauncher:
     first launch).
     """
 
-    __slots__ = ("_compiled", "_tuner", "kernel")
+    __slots__ = ("_arg_set", "_compiled", "_tuner", "kernel")
 
     def __init__(self, kernel) -> None:
         from triton.runtime.autotuner import Autotuner
 
         self._tuner = kernel if isinstance(kernel, Autotuner) else None
         self.kernel = kernel.fn if self._tuner is not None else kernel  # the JIT function launched
+        # (a set: Autotuner.run tests membership in its list of ~40 names once per argument)
+        self._arg_set = frozenset(self._tuner.arg_names) if self._tuner is not None else frozenset()
         self._compiled: dict[tuple, Any] = {}
 
     @staticmethod
@@ -274,7 +276,7 @@ class DirectLauncher:
         if len(tuner.configs) == 1:
             return tuner.configs[0]
         named = {**dict(zip(tuner.arg_names, args, strict=False)), **kwargs}
-        named = {name: value for name, value in named.items() if name in tuner.arg_names}
+        named = {name: value for name, value in named.items() if name in self._arg_set}
         key = [named[name] for name in tuner.keys if name in named]
         key.extend(str(value.dtype) for value in named.values() if hasattr(value, "dtype"))
         return tuner.cache.get(tuple(key))

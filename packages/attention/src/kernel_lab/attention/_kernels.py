@@ -218,37 +218,6 @@ def _attn_fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "rows_q"])
-def _attn_bwd_preprocess_kernel(
-    Out, DO, DELTA, CU_SEQLENS_Q,
-    stride_ob, stride_oh, stride_ot,
-    stride_dob, stride_doh, stride_dot,
-    stride_lb, stride_lh,
-    n_heads, seqlen_q, rows_q,
-    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    n_m = tl.cdiv(rows_q, BLOCK_M)
-    pid_bh = tl.program_id(0) // n_m
-    pid_m = tl.program_id(0) % n_m
-    pid_b = pid_bh // n_heads
-    pid_h = pid_bh % n_heads
-    q_start, seqlen_q = _seq_bounds(pid_b, CU_SEQLENS_Q, seqlen_q, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    rows = (q_start + offs_m).to(tl.int64)
-    o = tl.load(Out + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + rows[:, None] * stride_ot
-                + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + pid_b.to(tl.int64) * stride_dob + pid_h * stride_doh + rows[:, None] * stride_dot
-                 + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    tl.store(DELTA + pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + rows, delta,
-             mask=offs_m < seqlen_q)
-
-
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -394,21 +363,25 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "rows_q", "left", "right"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, Out, LSE, DLSE, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
+    stride_ob, stride_oh, stride_ot,
     stride_dqb, stride_dqh, stride_dqt,
     stride_lb, stride_lh,
     n_heads, group,
     seqlen_q, seqlen_k, rows_q, left, right,
     sm_scale, qk_scale,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """dQ of BLOCK_M query rows, and their delta = rowsum(dO * O) (minus dlse, the logsumexp's
+    gradient, when the caller used it): the softmax-Jacobian term that this kernel uses and
+    stores for the dK/dV kernel, which runs after it (one launch fewer than a separate pass)."""
     n_m = tl.cdiv(rows_q, BLOCK_M)
     pid_bh = tl.program_id(0) // n_m
     pid_m = n_m - 1 - tl.program_id(0) % n_m  # longest (causal) query blocks first
@@ -434,7 +407,13 @@ def _attn_bwd_dq_kernel(
     l_off = pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + rows
     lse = tl.load(LSE + l_off, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    o = tl.load(Out + pid_b.to(tl.int64) * stride_ob + pid_h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
+                + offs_d[None, :], mask=io_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        # d lse / d s = P, so a logsumexp gradient enters dS = P * (dP - delta) as -dlse.
+        delta -= tl.load(DLSE + l_off, mask=row_ok, other=0.0)
+    tl.store(DELTA + l_off, delta, mask=row_ok)
     k_base = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
     v_base = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

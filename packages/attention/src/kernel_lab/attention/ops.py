@@ -30,7 +30,6 @@ from kernel_lab.shared import reference, runtime
 from ._kernels import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
-    _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
     _rope_kernel,
 )
@@ -313,22 +312,24 @@ def attention_bwd(
     delta = torch.empty_like(lse)
     if not varlen:
         cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
-    # delta = rowsum(dO * O): the softmax-Jacobian term shared by every key block of a row.
-    pre_block = 64 if q.device.type == "cuda" else 32
-    runtime.launchable(_attn_bwd_preprocess_kernel, False)[(runtime.cdiv(rows_q, pre_block) * batch * n_heads,)](
-        out, do, delta, cu_seqlens_q, *_bht_strides(out, layout), *_bht_strides(do, layout),
-        stride_lb, stride_lh, n_heads, seqlen_q, rows_q,
-        IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=pre_block,
-    )
     if dlse is not None:
-        # d lse / d s = P, so a logsumexp gradient enters dS = P * (dP - delta) as -dlse.
-        delta = delta - dlse.to(torch.float32)
+        dlse = dlse.to(torch.float32).contiguous()  # read with lse's strides
     common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
+    # dQ first: it also computes delta = rowsum(dO * O) for its rows, which the dK/dV kernel reads.
+    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, itemsize=q.element_size(),
+                                    rows=max(rows_q, rows_k))
+    grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
+    runtime.launchable(kernel, False)[grid](
+        q, k, v, do, out, lse, lse if dlse is None else dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
+        *_bht_strides(out, layout), *_bht_strides(dq, layout), stride_lb, stride_lh,
+        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
+        HAS_DLSE=dlse is not None, **common, **meta,
+    )
     if rows_k > 0 and dk.numel() > 0:
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, itemsize=q.element_size(),
-                                         rows=max(rows_q, rows_k))
+                                        rows=max(rows_q, rows_k))
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
         runtime.launchable(kernel, False)[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
@@ -336,15 +337,6 @@ def attention_bwd(
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
             **common, **meta,
         )
-    kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, itemsize=q.element_size(),
-                                     rows=max(rows_q, rows_k))
-    grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    runtime.launchable(kernel, False)[grid](
-        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
-        *_bht_strides(dq, layout), stride_lb, stride_lh,
-        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
-        **common, **meta,
-    )
     return dq, dk, dv
 
 
