@@ -91,7 +91,7 @@ def test_backward_kernels_compile_for_sm90(dtype, head_dim, float_type):
     names = ("Q", "K", "V", "DO", "Out", "LSE", "DLSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     compiled = {}
     for kind, fn in (("dkdv", _kernels._attn_bwd_dkdv_kernel), ("dq", _kernels._attn_bwd_dq_kernel)):
-        cfg = ops._configs(kind, ops._small_tiles(kind, head_dim, itemsize))[0]
+        cfg = ops._configs(kind, ops._row_class(kind, head_dim, itemsize))[0]
         consts = {**common, **cfg.kwargs, **({"HAS_DLSE": dtype == "bf16"} if kind == "dq" else {})}
         compiled[kind] = _compile(fn, _ptrs(dtype, names), consts, float_type=float_type,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -43,27 +43,44 @@ UNBOUNDED = 1 << 30
 LOG2E = 1.4426950408889634
 
 
-def _small_tiles(kind: str, head_dim: int, itemsize: int) -> bool:
-    """Whether a kernel takes the small tiles: above D = 128 the large ones' fp32 accumulator
-    (BLOCK x D) no longer fits in registers. The backward's large tiles also need 16-bit
-    inputs: in float32 at D = 128 the 64 x 128 dK/dV tile with 3 stages asks for 289 KiB of
-    shared memory (227 KiB on Hopper), so float32 rows wider than 256 bytes take the small ones."""
-    return head_dim > 128 or (kind != "fwd" and head_dim * itemsize > 256)
+def _row_class(kind: str, head_dim: int, itemsize: int) -> str:
+    """Which tile candidates a kernel takes, by the bytes of one q/k row (head_dim * itemsize).
+    "wide" (above 256 B: D > 128, or float32 D > 64 in the backward) takes small tiles: the
+    large ones' fp32 accumulator (BLOCK x D) no longer fits in registers, and in float32 at
+    D = 128 the 64 x 128 dK/dV tile with 3 stages asks for 289 KiB of shared memory (227 KiB on
+    Hopper). The backward has its own tiles for "narrow" rows (at most 128 B: 16-bit D <= 64)."""
+    row_bytes = head_dim * itemsize
+    if head_dim > 128 or (kind != "fwd" and row_bytes > 256):
+        return "wide"
+    return "narrow" if kind != "fwd" and row_bytes <= 128 else "medium"
 
 
-def _configs(kind: str, small: bool) -> list[triton.Config]:
-    """Autotune candidates per kernel, best first (the first is used when autotuning is off).
-    Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at D <= 128."""
+def _configs(kind: str, rows: str) -> list[triton.Config]:
+    """Autotune candidates per kernel and row class (`_row_class`), best first (the first is used
+    when autotuning is off). Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at
+    D <= 128."""
     if kind == "fwd":
-        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if small else [
+        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if rows == "wide" else [
             (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
-    # Backward tiles, measured on an H200 (bf16, B4 H32, one kernel at a time): at D = 128 and
-    # T >= 4096 the 64 x 128 dK/dV and 128 x 64 dQ tiles run 15-20% faster than the others;
-    # at T = 1024, at D = 64 and with GQA (fewer key programs) the smaller ones win by 2-16%.
-    elif kind == "dkdv":  # BLOCK_M: query rows per step, BLOCK_N: key rows held by the program
-        shapes = [(32, 64, 4, 2), (16, 64, 4, 2)] if small else [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]
-    else:  # dq: BLOCK_M query rows held, BLOCK_N keys per step
-        shapes = [(64, 32, 4, 2), (32, 32, 4, 2)] if small else [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)]
+        return _as_configs(shapes)
+    # Backward tiles, measured on an H200 (bf16, B4 H32 T1024-4096 and B1 H32 T16384, full and
+    # causal, one kernel at a time). D = 128: at T >= 4096 the 64 x 128 dK/dV and 128 x 64 dQ
+    # tiles run 15-20% faster than the others; at T = 1024 and with GQA (fewer key programs)
+    # smaller ones win by 2-16%. D = 64: 64 x 128 dK/dV with 4 warps (2-12% faster than the best
+    # D = 128 candidate) and 64 x 64 dQ win at every shape but causal T = 1024 (32 x 64 dK/dV).
+    # BLOCK_M: query rows per step (dK/dV) or held (dQ); BLOCK_N: key rows held (dK/dV) or per step (dQ).
+    shapes = {
+        ("dkdv", "wide"): [(32, 64, 4, 2), (16, 64, 4, 2)],
+        ("dkdv", "medium"): [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
+        ("dkdv", "narrow"): [(64, 128, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3)],
+        ("dq", "wide"): [(64, 32, 4, 2), (32, 32, 4, 2)],
+        ("dq", "medium"): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+        ("dq", "narrow"): [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3)],
+    }[kind, rows]
+    return _as_configs(shapes)
+
+
+def _as_configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -113,19 +130,19 @@ def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, *, 
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
-    small = _small_tiles(kind, head_dim, itemsize)
+    rows_class = _row_class(kind, head_dim, itemsize)
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
-        cfg = (_tma_configs(head_dim) if tma else _configs(kind, small))[0]
+        cfg = (_tma_configs(head_dim) if tma else _configs(kind, rows_class))[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # One autotuner per candidate list and, for the backward, per length bucket; each is keyed
     # by the head dim (the tensors' dtypes are part of the key automatically); with TMA the
     # layout changes the descriptors' blocks, and in the backward the GQA group changes how
     # many key programs there are, so those are in the key too.
     bucket = sum(rows > bound for bound in BWD_TUNE_LENGTHS) if kind != "fwd" else 0
-    key = (kind, tma, head_dim > 64 if tma else small, bucket)
+    key = (kind, tma, head_dim > 64 if tma else rows_class, bucket)
     tuned = _TUNED.get(key)
     if tuned is None:
-        configs = _tma_configs(head_dim) if tma else _configs(kind, small)
+        configs = _tma_configs(head_dim) if tma else _configs(kind, rows_class)
         tune_key = ["HEAD_DIM", "IS_VARLEN"] + (["BSHD"] if tma else []) + (["group"] if kind != "fwd" else [])
         tuned = _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
     return tuned, {}
