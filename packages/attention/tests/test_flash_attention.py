@@ -555,3 +555,32 @@ def test_gpu_runs_on_the_inputs_gpu_not_the_current_one(seed):
     ref_grads = reference.attention_backward(q, k, v, do, causal=True)
     for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
         testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)
+
+
+def test_backward_autotuners_per_length_bucket_and_row_class(monkeypatch):
+    """The launch policy on CUDA, without launching: the backward gets one autotuner per sequence
+    length bucket (the best tiles change with T) and row class, the forward one for every T;
+    float32 rows wider than 256 B take the small backward tiles (the large ones overflow Hopper's
+    shared memory, see test_attention_compile_sm90), 16-bit D <= 64 its own."""
+    monkeypatch.setenv(attention_ops.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(attention_ops, "_TUNED", {})
+    cuda = torch.device("cuda")
+
+    def tuner(kind, rows, head_dim=128, itemsize=2):
+        kernel = attention_ops._attn_bwd_dq_kernel if kind == "dq" else attention_ops._attn_fwd_kernel
+        tuned, meta = attention_ops._kernel_and_meta(kernel, kind, head_dim, cuda, itemsize=itemsize, rows=rows)
+        assert meta == {}
+        return tuned
+
+    assert tuner("dq", 1000) is tuner("dq", 1024) is tuner("dq", 1)
+    assert tuner("dq", 1025) is tuner("dq", 4096) is not tuner("dq", 1024)
+    assert tuner("dq", 4097) is tuner("dq", 131072) is not tuner("dq", 4096)
+    assert tuner("fwd", 1024) is tuner("fwd", 131072)
+    assert "group" in tuner("dq", 1024).keys and "group" not in tuner("fwd", 1024).keys
+    def first_tile(kind, head_dim, itemsize):
+        return attention_ops._configs(kind, attention_ops._row_class(kind, head_dim, itemsize))[0].kwargs
+
+    assert first_tile("dkdv", 128, 4)["BLOCK_N"] < first_tile("dkdv", 128, 2)["BLOCK_N"]  # float32: small tiles
+    assert attention_ops._row_class("dkdv", 64, 2) == "narrow" != attention_ops._row_class("dkdv", 64, 4)
+    assert attention_ops._row_class("fwd", 64, 2) == "medium"  # the forward has no narrow tiles
+    assert tuner("dq", 1024, head_dim=64) is not tuner("dq", 1024)  # other candidates, other tuner
