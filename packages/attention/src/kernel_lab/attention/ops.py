@@ -80,8 +80,10 @@ def _configs(kind: str, rows: str) -> list[triton.Config]:
     return _as_configs(shapes)
 
 
-def _as_configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+def _as_configs(shapes: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples as autotune configs."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+            for m, n, w, s in shapes]
 
 
 def _tma_configs(head_dim: int) -> list[triton.Config]:
@@ -89,9 +91,7 @@ def _tma_configs(head_dim: int) -> list[triton.Config]:
     tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200). The pre-hook
     sizes the descriptors' blocks to each config's tiles."""
     shapes = [(128, 128, 8, 3), (128, 64, 8, 3)] if head_dim > 64 else [(128, 64, 8, 3), (128, 128, 8, 3)]
-    shapes += [(128, 64, 8, 4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_tma_block_shapes)
-            for m, n, w, s in shapes]
+    return _as_configs([*shapes, (128, 64, 8, 4)], pre_hook=_tma_block_shapes)
 
 
 def _tma_block_shapes(nargs: dict) -> None:
@@ -242,7 +242,8 @@ def attention_fwd(
         # The kernel takes row maxima of the unscaled scores (max(s) * scale = max(s * scale)
         # needs scale >= 0): (-q) k^T |scale| is the same logit.
         q, scale = -q, -scale
-    use_tma = _use_tma(q, k, v, layout) and batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK
+    # (the size test first: it is free, and small calls are where host time counts)
+    use_tma = batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK and _use_tma(q, k, v, layout)
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, itemsize=q.element_size(), tma=use_tma)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
