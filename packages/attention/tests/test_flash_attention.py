@@ -559,23 +559,29 @@ def test_gpu_runs_on_the_inputs_gpu_not_the_current_one(seed):
 
 def test_backward_autotuners_per_length_bucket_and_row_class(monkeypatch):
     """The launch policy on CUDA, without launching: the backward gets one autotuner per sequence
-    length bucket (the best tiles change with T) and row class, the forward one for every T;
-    float32 rows wider than 256 B take the small backward tiles (the large ones overflow Hopper's
-    shared memory, see test_attention_compile_sm90), 16-bit D <= 64 its own."""
+    length bucket (the best tiles change with T) and row class, the forward one for short and one
+    for long sequences, each with and without a key mask; float32 rows wider than 256 B take the
+    small backward tiles (the large ones overflow Hopper's shared memory, see
+    test_attention_compile_sm90), 16-bit D <= 64 its own."""
     monkeypatch.setenv(attention_ops.AUTOTUNE_ENV, "1")
     monkeypatch.setattr(attention_ops, "_TUNED", {})
     cuda = torch.device("cuda")
 
-    def tuner(kind, rows, head_dim=128, itemsize=2):
+    def tuner(kind, rows, head_dim=128, itemsize=2, masked=False):
         kernel = attention_ops._attn_bwd_dq_kernel if kind == "dq" else attention_ops._attn_fwd_kernel
-        tuned, meta = attention_ops._kernel_and_meta(kernel, kind, head_dim, cuda, itemsize=itemsize, rows=rows)
+        tuned, meta = attention_ops._kernel_and_meta(kernel, kind, head_dim, cuda, itemsize=itemsize, rows=rows,
+                                                     masked=masked)
         assert meta == {}
         return tuned
 
     assert tuner("dq", 1000) is tuner("dq", 1024) is tuner("dq", 1)
     assert tuner("dq", 1025) is tuner("dq", 4096) is not tuner("dq", 1024)
     assert tuner("dq", 4097) is tuner("dq", 131072) is not tuner("dq", 4096)
-    assert tuner("fwd", 1024) is tuner("fwd", 131072)
+    assert tuner("fwd", 1) is tuner("fwd", 1024) is not tuner("fwd", 1025)
+    assert tuner("fwd", 4096) is tuner("fwd", 131072) is not tuner("fwd", 4096, masked=True)
+    assert tuner("fwd", 1024, masked=True) not in (tuner("fwd", 1024), tuner("fwd", 4096, masked=True))
+    short_tile = attention_ops._configs("fwd", "medium", short=True)[0].kwargs
+    assert short_tile["BLOCK_M"] < attention_ops._configs("fwd", "medium")[0].kwargs["BLOCK_M"]
     assert "group" in tuner("dq", 1024).keys and "group" not in tuner("fwd", 1024).keys
     def first_tile(kind, head_dim, itemsize):
         return attention_ops._configs(kind, attention_ops._row_class(kind, head_dim, itemsize))[0].kwargs

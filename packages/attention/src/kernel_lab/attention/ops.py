@@ -55,13 +55,17 @@ def _row_class(kind: str, head_dim: int, itemsize: int) -> str:
     return "narrow" if kind != "fwd" and row_bytes <= 128 else "medium"
 
 
-def _configs(kind: str, rows: str) -> list[triton.Config]:
+def _configs(kind: str, rows: str, short: bool = False) -> list[triton.Config]:
     """Autotune candidates per kernel and row class (`_row_class`), best first (the first is used
     when autotuning is off). Query/key tiles of 128 x 64..128 keep Hopper's tensor cores busy at
-    D <= 128."""
+    D <= 128. short: forward candidates for sequences up to SHORT_SEQUENCE (see there)."""
     if kind == "fwd":
-        shapes = [(64, 64, 4, 2), (64, 32, 4, 2)] if rows == "wide" else [
-            (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
+        if rows == "wide":
+            shapes = [(64, 64, 4, 2), (64, 32, 4, 2)]
+        elif short:
+            shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)]
+        else:
+            shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)]
         return _as_configs(shapes)
     # Backward tiles, measured on an H200 (bf16, B4 H32 T1024-4096 and B1 H32 T16384, full and
     # causal, one kernel at a time). D = 128: at T >= 4096 the 64 x 128 dK/dV and 128 x 64 dQ
@@ -86,12 +90,18 @@ def _as_configs(shapes: list[tuple[int, int, int, int]], pre_hook=None) -> list[
             for m, n, w, s in shapes]
 
 
-def _tma_configs(head_dim: int) -> list[triton.Config]:
+def _tma_configs(head_dim: int, short: bool = False) -> list[triton.Config]:
     """Forward candidates with q/k/v through TMA (Hopper, head_dim <= 128), best first: 128 x 128
-    tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200). The pre-hook
-    sizes the descriptors' blocks to each config's tiles."""
-    shapes = [(128, 128, 8, 3), (128, 64, 8, 3)] if head_dim > 64 else [(128, 64, 8, 3), (128, 128, 8, 3)]
-    return _as_configs([*shapes, (128, 64, 8, 4)], pre_hook=_tma_block_shapes)
+    tiles won at D = 128 and 128 x 64 at D = 64 (bf16, B4 H32 T1k-16k, H200); for short
+    sequences (see SHORT_SEQUENCE) 64 x 64 tiles with 4 warps. The pre-hook sizes the
+    descriptors' blocks to each config's tiles."""
+    if short:
+        shapes = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)]
+    elif head_dim > 64:
+        shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)]
+    else:
+        shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+    return _as_configs(shapes, pre_hook=_tma_block_shapes)
 
 
 def _tma_block_shapes(nargs: dict) -> None:
@@ -118,31 +128,39 @@ TMA_MIN_WORK = 1 << 34
 # The backward is tuned separately for sequences up to 1024, up to 4096 and longer: its best
 # tiles change with the length (see `_configs`).
 BWD_TUNE_LENGTHS = (1024, 4096)
+# The forward is tuned separately for sequences up to SHORT_SEQUENCE, with smaller tiles among its
+# candidates, and separately with and without a key mask (causal / window). At T = 1024 (B4 H32,
+# bf16, H200, one config at a time) 64 x 64 tiles with 4 warps ran 3-24% faster than the
+# 128 x 64..128 ones with 8 warps that win at T >= 4096 (twice the programs: a shorter tail),
+# and the best tile differed between causal and full at D = 64 (either one choice cost 3-11%).
+SHORT_SEQUENCE = 1024
 _TUNED: dict[tuple, object] = {}
 
 
 def _kernel_and_meta(kernel, kind: str, head_dim: int, device: torch.device, *, itemsize: int = 2,
-                     tma: bool = False, rows: int = 0):
+                     tma: bool = False, rows: int = 0, masked: bool = False):
     """(launchable kernel, fixed meta-parameters): the autotuned kernel on CUDA, fixed small
     blocks under the interpreter (autotuning there would only multiply the CPU time).
     tma: the forward with descriptor arguments (its configs size the descriptors' blocks).
-    rows: the longer sequence (backward kinds), which picks the length bucket it is tuned for."""
+    rows: the longer sequence, which picks the length bucket the kernel is tuned for.
+    masked: a forward whose keys are bounded by a causal mask or a window."""
     if device.type != "cuda":
         bm, bn = INTERPRET_BLOCKS[kind]
         return kernel, {"BLOCK_M": bm, "BLOCK_N": bn}
     rows_class = _row_class(kind, head_dim, itemsize)
+    short = kind == "fwd" and rows <= SHORT_SEQUENCE
     if os.environ.get(AUTOTUNE_ENV, "1") == "0":
-        cfg = (_tma_configs(head_dim) if tma else _configs(kind, rows_class))[0]
+        cfg = (_tma_configs(head_dim, short) if tma else _configs(kind, rows_class, short))[0]
         return kernel, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    # One autotuner per candidate list and, for the backward, per length bucket; each is keyed
-    # by the head dim (the tensors' dtypes are part of the key automatically); with TMA the
-    # layout changes the descriptors' blocks, and in the backward the GQA group changes how
-    # many key programs there are, so those are in the key too.
-    bucket = sum(rows > bound for bound in BWD_TUNE_LENGTHS) if kind != "fwd" else 0
-    key = (kind, tma, head_dim > 64 if tma else rows_class, bucket)
+    # One autotuner per candidate list, length bucket and (forward) mask; each is keyed by the
+    # head dim (the tensors' dtypes are part of the key automatically); with TMA the layout
+    # changes the descriptors' blocks, and in the backward the GQA group changes how many key
+    # programs there are, so those are in the key too.
+    bucket = short if kind == "fwd" else sum(rows > bound for bound in BWD_TUNE_LENGTHS)
+    key = (kind, tma, head_dim > 64 if tma else rows_class, bucket, masked)
     tuned = _TUNED.get(key)
     if tuned is None:
-        configs = _tma_configs(head_dim) if tma else _configs(kind, rows_class)
+        configs = _tma_configs(head_dim, short) if tma else _configs(kind, rows_class, short)
         tune_key = ["HEAD_DIM", "IS_VARLEN"] + (["BSHD"] if tma else []) + (["group"] if kind != "fwd" else [])
         tuned = _TUNED[key] = triton.autotune(configs=configs, key=tune_key)(kernel)
     return tuned, {}
@@ -244,7 +262,8 @@ def attention_fwd(
         q, scale = -q, -scale
     # (the size test first: it is free, and small calls are where host time counts)
     use_tma = batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK and _use_tma(q, k, v, layout)
-    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, itemsize=q.element_size(), tma=use_tma)
+    kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, itemsize=q.element_size(),
+                                    tma=use_tma, rows=max(rows_q, seqlen_k), masked=min(left, right) < UNBOUNDED)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
                   BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
