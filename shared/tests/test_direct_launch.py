@@ -168,3 +168,84 @@ def test_direct_launch_of_an_autotuned_kernel_skips_the_autotuner_once_tuned(mon
     launch(xh, yh, 2.0)
     assert tuner_runs == [1, 1], "a new key (dtype) tunes"
     torch.testing.assert_close(yh, xh * 2.0, rtol=0, atol=0)
+
+
+def _plan_key(x, y, block):
+    """What picks the scaled copy's specialisation and grid: dtypes, alignments, n's class, BLOCK."""
+    n = x.numel()
+    return (x.device, x.dtype, y.dtype, x.data_ptr() % 16, y.data_ptr() % 16, n, block)
+
+
+def _planned_launch(launcher, x, y, scale, block=128):
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)
+    return launcher.planned(_plan_key(x, y, block))[grid](x, y, x.numel(), scale, BLOCK=block)
+
+
+@pytest.mark.gpu
+def test_planned_launch_skips_the_binder_and_matches_the_full_path(monkeypatch):
+    """The first two calls of a plan key take the full path (compile, then bind and remember);
+    later ones launch the remembered kernel without binding, with bit-identical results; another
+    key (alignment, size class) gets its own plan."""
+    monkeypatch.setenv(runtime.CHECK_PLANS_ENV, "0")
+    launcher = _direct_launcher()
+    buf_x = torch.randn(5000, device="cuda")
+    buf_y = torch.full((5000,), float("nan"), device="cuda")
+    full_runs = []
+    real_run = runtime.DirectLauncher._run
+    monkeypatch.setattr(runtime.DirectLauncher, "_run", lambda *a: full_runs.append(1) or real_run(*a))
+    for off in (0, 1):
+        x, y = buf_x[off:off + 4000], buf_y[off:off + 4000]
+        for i, scale in enumerate((1.0, 2.0, -3.0, 0.5)):
+            y.fill_(float("nan"))
+            _planned_launch(launcher, x, y, scale)
+            torch.testing.assert_close(y, x * scale, rtol=0, atol=0)
+            assert len(full_runs) == min(i + 1, 2) + 2 * off, "calls after the second take the plan"
+    assert len(launcher._plans) == 2
+    assert torch.isnan(buf_y[4001:]).all(), "wrote past the end"
+
+
+@pytest.mark.gpu
+def test_planned_launch_check_catches_a_key_that_misses_the_specialisation(monkeypatch):
+    """KERNEL_LAB_CHECK_PLANS=1: a key that leaves out the pointers' alignment names calls that
+    need different compiled kernels; the check raises instead of launching the wrong one."""
+    monkeypatch.setenv(runtime.CHECK_PLANS_ENV, "1")
+    launcher = _direct_launcher()
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)
+    buf_x = torch.randn(5000, device="cuda")
+    buf_y = torch.empty_like(buf_x)
+    for _ in range(2):  # compile, then remember the plan of the aligned call
+        launcher.planned("too coarse")[grid](buf_x[:4000], buf_y[:4000], 4000, 1.0, BLOCK=128)
+    launcher.planned("too coarse")[grid](buf_x[1:4001], buf_y[1:4001], 4000, 1.0, BLOCK=128)  # compile
+    with pytest.raises(AssertionError, match="launch plan"):
+        launcher.planned("too coarse")[grid](buf_x[1:4001], buf_y[1:4001], 4000, 1.0, BLOCK=128)
+
+
+@pytest.mark.gpu
+def test_planned_launch_of_an_autotuned_kernel_runs_the_pre_hook():
+    """An autotuned kernel's plan keeps the tuned config and runs its pre-hook on every call."""
+    hooked = []
+    tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK": 64}, num_warps=2, pre_hook=lambda nargs: hooked.append(nargs["BLOCK"])),
+                 triton.Config({"BLOCK": 256}, num_warps=4, pre_hook=lambda nargs: hooked.append(nargs["BLOCK"]))],
+        key=["n"],
+    )(_scaled_copy_kernel)
+    if not runtime.DirectLauncher.supports(tuned):
+        pytest.skip(f"direct launch not used with triton {triton.__version__} or KERNEL_LAB_DIRECT_LAUNCH=0")
+    launcher = runtime.DirectLauncher(tuned)
+    x = torch.randn(5000, device="cuda")
+    y = torch.empty_like(x)
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)
+    for scale in (1.0, 2.0, 3.0, 4.0):  # tune, bind and remember, then twice from the plan
+        launcher.planned(_plan_key(x, y, None))[grid](x, y, x.numel(), scale)
+        torch.testing.assert_close(y, x * scale, rtol=0, atol=0)
+    best = tuned.cache[(5000, "torch.float32", "torch.float32")]
+    assert hooked[-3:] == [best.kwargs["BLOCK"]] * 3
+
+
+def test_launchable_with_a_plan_is_indexable_everywhere():
+    """Without a direct launcher (CPU, interpreter) a plan is ignored: the kernel itself."""
+    launcher = runtime.launchable(_scaled_copy_kernel, traced=False, plan=("key",))
+    if runtime.DirectLauncher.supports(_scaled_copy_kernel):
+        assert type(launcher).__name__ == "_PlannedLaunch"
+    else:
+        assert launcher is _scaled_copy_kernel

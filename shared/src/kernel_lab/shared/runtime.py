@@ -194,7 +194,7 @@ def on_tensors_device(launcher):
     return run_on_tensors_device
 
 
-def launchable(kernel, traced: bool):
+def launchable(kernel, traced: bool, plan=None):
     """The Triton kernel to index with a grid and call: `wrap_triton(kernel)` when `traced`,
     a `DirectLauncher` of it otherwise (where supported; else `kernel` itself).
 
@@ -204,6 +204,8 @@ def launchable(kernel, traced: bool):
     eager call, every `wrap_triton(kernel)[grid](...)` goes through the wrap_triton
     higher-order-op dispatch, measured at about 0.1-0.5 ms of CPU per launch on an H200 host,
     longer than the kernel itself for most LLM shapes.
+
+    plan: a launch-plan key (see `DirectLauncher.planned`) for a direct launch; ignored otherwise.
     """
     if traced:
         return wrap_triton(kernel)
@@ -211,6 +213,8 @@ def launchable(kernel, traced: bool):
     if launcher is None:  # (the dict keeps every kernel it saw alive: an id is never reused)
         launcher = DirectLauncher(kernel) if DirectLauncher.supports(kernel) else kernel
         _DIRECT_LAUNCHERS[id(kernel)] = launcher
+    if plan is not None and type(launcher) is DirectLauncher:
+        return launcher.planned(plan)
     return launcher
 
 
@@ -236,6 +240,8 @@ class DirectLauncher:
     forward's eager host time from 104 to 73 us per call on the lent H200 host (triton 3.6). A
     key not tuned yet goes through Autotuner.run, which tunes, caches and launches.
 
+    `planned(key)` goes one step further for launchers that can name their call cheaply: see there.
+
     Falls back to JITFunction.run for every launch while launch hooks (e.g. the proton profiler)
     or pre-run hooks are installed, and is only used with the Triton versions it was checked
     against (`DIRECT_LAUNCH_TRITON`): the binder, CompiledKernel.run and the autotuner's cache are
@@ -244,7 +250,7 @@ class DirectLauncher:
     first launch).
     """
 
-    __slots__ = ("_arg_set", "_compiled", "_tuner", "kernel")
+    __slots__ = ("_arg_set", "_check_plans", "_compiled", "_plans", "_tuner", "kernel")
 
     def __init__(self, kernel) -> None:
         from triton.runtime.autotuner import Autotuner
@@ -254,6 +260,8 @@ class DirectLauncher:
         # (a set: Autotuner.run tests membership in its list of ~40 names once per argument)
         self._arg_set = frozenset(self._tuner.arg_names) if self._tuner is not None else frozenset()
         self._compiled: dict[tuple, Any] = {}
+        self._plans: dict[tuple, tuple] = {}
+        self._check_plans = os.environ.get(CHECK_PLANS_ENV, "0") == "1"
 
     @staticmethod
     def supports(kernel) -> bool:
@@ -284,7 +292,26 @@ class DirectLauncher:
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
+    def planned(self, plan_key):
+        """`launcher.planned(key)[grid](*args, **kwargs)`: launch as `launcher[grid]` does, and
+        remember the launch under `key` so that later calls with an equal key skip the
+        autotuner's key, the binder and the options key: they launch the remembered compiled
+        kernel with the remembered grid, trailing keyword values and config (pre-hook included).
+
+        The caller's promise: calls with equal keys pass their tensors and scalars positionally
+        in the same order, and would get the same config, specialisation and grid: the key
+        determines the device, every keyword argument, the grid, the autotuner's key, each
+        tensor's dtype and 16-byte alignment and each integer's class (1, a multiple of 16, 32
+        or 64 bits) unless the kernel does not specialise it. Shapes, strides, data_ptr() % 16
+        and the device of the tensors usually are the key. KERNEL_LAB_CHECK_PLANS=1 checks the
+        promise on every call (the test suites set it). The remembered plans are dropped when
+        MAX_PLANS are held (a workload of ever-new shapes: each is planned once)."""
+        return _PlannedLaunch(self, plan_key)
+
     def _launch(self, grid, *args, **kwargs):
+        return self._run(grid, args, kwargs, None)
+
+    def _run(self, grid, args: tuple, kwargs: dict, plan_key):
         kernel = self.kernel
         current_device, current_stream, knobs = _triton_launch_state()
         device = current_device()
@@ -294,7 +321,8 @@ class DirectLauncher:
         tensor_device = args[0].get_device() if isinstance(args[0], torch.Tensor) else device
         if tensor_device != device and tensor_device >= 0:
             with torch.cuda.device(tensor_device):
-                return self._launch(grid, *args, **kwargs)
+                return self._run(grid, args, kwargs, plan_key)
+        config = None
         if self._tuner is not None:
             config = self._tuned_config(args, kwargs)
             if config is None:  # first call of this key: tune (and launch) as Triton does
@@ -314,15 +342,59 @@ class DirectLauncher:
             return compiled
         if callable(grid):
             grid = grid(bound_args)
+        grid_xyz = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        values = tuple(bound_args.values())
         compiled.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            current_stream(device), compiled.function, compiled.packed_metadata,
+            *grid_xyz, current_stream(device), compiled.function, compiled.packed_metadata,
             None, None, None,  # launch metadata and hooks: none installed (checked above)
-            *bound_args.values(),
+            *values,
         )
+        if plan_key is not None and all(a is b for a, b in zip(args, values, strict=False)):
+            # (the binder puts the positional arguments first, as given; the rest are the
+            # keywords, the config's meta-parameters and defaults, fixed by the key)
+            hook = None if config is None or config.pre_hook is None else (config.pre_hook, kwargs)
+            plan = (compiled, grid_xyz, values[len(args):], hook)
+            if self._check_plans and self._plans.get((device, plan_key), plan)[:3] != plan[:3]:
+                raise AssertionError(f"{kernel.__name__}: launch plan {plan_key!r} names calls that launch "
+                                     "differently (see DirectLauncher.planned)")
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[device, plan_key] = plan
+        return compiled
+
+    def _launch_planned(self, plan_key, grid, args: tuple, kwargs: dict):
+        current_device, current_stream, knobs = _triton_launch_state()
+        device = current_device()
+        plan = self._plans.get((device, plan_key))
+        if (plan is None or self._check_plans or self.kernel.pre_run_hooks
+                or knobs.launch_enter_hook.calls or knobs.launch_exit_hook.calls):
+            return self._run(grid, args, kwargs, plan_key)
+        compiled, grid_xyz, tail, hook = plan
+        if hook is not None:
+            pre_hook, hook_kwargs = hook
+            pre_hook({**dict(zip(self._tuner.arg_names, args, strict=False)), **hook_kwargs})
+        compiled.run(*grid_xyz, current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *tail)
         return compiled
 
 
+class _PlannedLaunch:
+    """`DirectLauncher.planned(key)`: index with a grid, call with the arguments."""
+
+    __slots__ = ("_key", "_launcher")
+
+    def __init__(self, launcher: DirectLauncher, key) -> None:
+        self._launcher, self._key = launcher, key
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launcher._launch_planned(self._key, grid, args, kwargs)
+
+
+# KERNEL_LAB_CHECK_PLANS=1: every planned launch also takes the full path and raises if its
+# compiled kernel, grid or trailing values differ from the plan's (read when a launcher is made).
+CHECK_PLANS_ENV = "KERNEL_LAB_CHECK_PLANS"
+# Launch plans held per launcher before they are dropped (see DirectLauncher.planned).
+MAX_PLANS = 512
 # Triton versions whose JITFunction binder and CompiledKernel.run signatures DirectLauncher was
 # checked against (str.startswith prefixes).
 DIRECT_LAUNCH_TRITON = ("3.6.",)
