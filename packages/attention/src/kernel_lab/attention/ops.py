@@ -272,8 +272,7 @@ def attention_fwd(
     # The launch plan's key (runtime.DirectLauncher.planned): what picks the tuner, the config,
     # the specialisation and the grid; repeated calls skip the autotuner's key and the binder.
     plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), masked, batch, rows_q,
-            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16,
-            (cu_seqlens_q.data_ptr() % 16, cu_seqlens_k.data_ptr() % 16) if varlen else None)
+            _alignments(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
     runtime.launchable(kernel, False, plan)[grid](
         *qkv, out, lse, cu_seqlens_q, cu_seqlens_k,
         *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
@@ -282,6 +281,12 @@ def attention_fwd(
         **consts, **meta,
     )
     return out, lse
+
+
+def _alignments(*tensors: torch.Tensor | None) -> tuple:
+    """Each tensor's address modulo 16 (None for None): part of a launch plan's key, since
+    Triton specialises pointer arguments on 16-byte alignment."""
+    return tuple(None if t is None else t.data_ptr() % 16 for t in tensors)
 
 
 def _hopper(device: torch.device) -> bool:
@@ -360,11 +365,15 @@ def attention_bwd(
     common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
+    # The launch plans' key (see attention_fwd), one for both kernels.
+    plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
+            out.stride(), lse.stride(), dlse is None, batch, rows_q, rows_k,
+            _alignments(do, q, k, v, out, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dlse))
     # dQ first: it also computes delta = rowsum(dO * O) for its rows, which the dK/dV kernel reads.
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, itemsize=q.element_size(),
                                     rows=max(rows_q, rows_k))
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    runtime.launchable(kernel, False)[grid](
+    runtime.launchable(kernel, False, plan)[grid](
         q, k, v, do, out, lse, lse if dlse is None else dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
         *_bht_strides(out, layout), *_bht_strides(dq, layout), stride_lb, stride_lh,
         n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
@@ -374,7 +383,7 @@ def attention_bwd(
         kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, itemsize=q.element_size(),
                                         rows=max(rows_q, rows_k))
         grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
-        runtime.launchable(kernel, False)[grid](
+        runtime.launchable(kernel, False, plan)[grid](
             q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
             *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
             n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
