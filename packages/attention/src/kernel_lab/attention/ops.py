@@ -120,10 +120,12 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 # gpu test tier, where dozens of shapes x head dims would otherwise each compile every config).
 AUTOTUNE_ENV = "KERNEL_LAB_ATTENTION_AUTOTUNE"
 USE_TMA = os.environ.get("KERNEL_LAB_ATTENTION_TMA", "1") != "0"
-# Smallest B * Hq * Tq * Tk * D that takes the TMA forward. Building three descriptors and
-# launching with them costs host time: 137 us per eager call against 73 us with pointers on the
-# lent H200 host (triton 3.6), so below about 150 us of GPU work (B4 H32 T1024 D128 causal runs
-# 125 us) the pointer kernel finishes first.
+# Smallest B * Hq * Tq * Tk * D that takes the TMA forward: B4 H32 T1024 D128 is at it, D64 below.
+# Descriptors cost host time (three built per call, encoded at launch): before launch plans 137 us
+# per eager call against 73 us with pointers on the lent H200 host (triton 3.6). At B4 H32 T1024
+# (bf16, H200, CUDA-graph replay) TMA ran 103 / 151 us against 129 / 176 us with pointers at D128
+# (causal / full), worth its host time; at D64 the pointer kernel's 73 / 98 us is about that host
+# time, and the cheaper launch wins.
 TMA_MIN_WORK = 1 << 34
 # The backward is tuned separately for sequences up to 1024, up to 4096 and longer: its best
 # tiles change with the length (see `_configs`).
