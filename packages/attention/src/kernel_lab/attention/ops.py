@@ -124,8 +124,8 @@ USE_TMA = os.environ.get("KERNEL_LAB_ATTENTION_TMA", "1") != "0"
 # Descriptors cost host time (three built per call, encoded at launch): before launch plans 137 us
 # per eager call against 73 us with pointers on the lent H200 host (triton 3.6). At B4 H32 T1024
 # (bf16, H200, CUDA-graph replay) TMA ran 103 / 151 us against 129 / 176 us with pointers at D128
-# (causal / full), worth its host time; at D64 the pointer kernel's 73 / 98 us is about that host
-# time, and the cheaper launch wins.
+# (causal / full), worth its host time; at D64 TMA saved only 5 / 3 us (68 / 95 against 73 / 98),
+# less than its extra host time, so the cheaper launch wins.
 TMA_MIN_WORK = 1 << 34
 # The backward is tuned separately for sequences up to 1024, up to 4096 and longer: its best
 # tiles change with the length (see `_configs`).
