@@ -11,6 +11,7 @@ problem with per-sequence offsets read from cu_seqlens.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -338,7 +339,13 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of the backward: (dq, dk, dv) for the output gradient `do` (and, when the
     caller used the logsumexp, its gradient `dlse`), from the forward's out and lse. Launches
-    directly, like `attention_fwd`."""
+    directly, like `attention_fwd`.
+
+    Under autograd this runs on the engine's CUDA device thread, where host work costs more than
+    on the caller's thread (about twice, per allocation and per launch, on the lent H200 host):
+    at B4 H32 T1024 the backward's host time is as long as its GPU time. So everything that
+    follows from the shapes is worked out once per shape (`_bwd_recipe`); a call allocates and
+    launches."""
     varlen = layout == "varlen"
     do, q, k, v = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -346,52 +353,78 @@ def attention_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if runtime.backend(q) == "reference":
         return _reference_bwd(do, q, k, v, dlse, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout)
-    batch, n_heads, seqlen_q = _dims(q, layout)
-    _, n_kv_heads, seqlen_k = _dims(k, layout)
-    if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-    rows_q = max_seqlen_q if varlen else seqlen_q
-    rows_k = max_seqlen_k if varlen else seqlen_k
-    if dk.numel() > 0 and (dq.numel() == 0 or rows_q == 0):
-        return dq, dk.zero_(), dv.zero_()  # keys no query reads get zero gradient
-    if dq.numel() == 0:
-        return dq, dk, dv
-    head_dim = q.shape[-1]
-    block_d = _block_d(head_dim)
-    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()  # read with lse's strides
     delta = torch.empty_like(lse)
     if not varlen:
         cu_seqlens_q = cu_seqlens_k = lse  # placeholders, never read (see attention_fwd)
-    if dlse is not None:
-        dlse = dlse.to(torch.float32).contiguous()  # read with lse's strides
-    common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
+    # The recipes' and launch plans' key (see attention_fwd): shapes, strides, lengths and
+    # alignments decide the tiles, the grids and every integer argument.
+    plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
+            out.stride(), lse.stride(), dlse is None, cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k,
+            _alignments(do, q, k, v, out, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dlse))
+    recipe = _BWD_RECIPES.get(plan)
+    if recipe is None:
+        if len(_BWD_RECIPES) >= runtime.MAX_PLANS:
+            _BWD_RECIPES.clear()
+        recipe = _BWD_RECIPES[plan] = _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, max_seqlen_q,
+                                                  max_seqlen_k, layout)
+    launch_dq, dq_ints, launch_dkdv, dkdv_ints, zero_dkdv = recipe
+    if zero_dkdv:  # keys no query reads get zero gradient
+        dk.zero_()
+        dv.zero_()
+    per_call = (left, right, scale, scale * LOG2E)
+    # dQ first: it also computes delta = rowsum(dO * O) for its rows, which the dK/dV kernel reads.
+    if launch_dq is not None:
+        launch_dq(q, k, v, do, out, lse, lse if dlse is None else dlse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+                  *dq_ints, *per_call)
+    if launch_dkdv is not None:
+        launch_dkdv(q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *dkdv_ints, *per_call)
+    return dq, dk, dv
+
+
+# The backward's recipes (`_bwd_recipe`) by launch-plan key, dropped when MAX_PLANS are held.
+_BWD_RECIPES: dict[tuple, tuple] = {}
+
+
+def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, max_seqlen_q: int, max_seqlen_k: int, layout: str):
+    """What `attention_bwd` launches for the shapes in `plan`: (dQ launch or None, its integer
+    arguments, dK/dV launch or None, its integer arguments, whether dk and dv are zero-filled).
+    A launch is `kernel[grid]` with its compile-time arguments bound; a call passes the tensors,
+    the integers, then left, right, scale and scale * log2(e)."""
+    varlen = layout == "varlen"
+    batch, n_heads, seqlen_q = _dims(q, layout)
+    _, n_kv_heads, seqlen_k = _dims(k, layout)
+    if varlen:
+        batch = plan[12][0] - 1  # cu_seqlens_q.shape
+    rows_q = max_seqlen_q if varlen else seqlen_q
+    rows_k = max_seqlen_k if varlen else seqlen_k
+    if dk.numel() > 0 and (dq.numel() == 0 or rows_q == 0):
+        return None, (), None, (), True
+    if dq.numel() == 0:
+        return None, (), None, (), False
+    head_dim, group = q.shape[-1], n_heads // n_kv_heads
+    common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+                  DOT_PRECISION=_dot_precision(q.dtype))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
-    # The launch plans' key (see attention_fwd), one for both kernels.
-    plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
-            out.stride(), lse.stride(), dlse is None, batch, rows_q, rows_k,
-            _alignments(do, q, k, v, out, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dlse))
-    # dQ first: it also computes delta = rowsum(dO * O) for its rows, which the dK/dV kernel reads.
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     kernel, meta = _kernel_and_meta(_attn_bwd_dq_kernel, "dq", head_dim, q.device, itemsize=q.element_size(),
                                     rows=max(rows_q, rows_k))
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
-    runtime.launchable(kernel, False, plan)[grid](
-        q, k, v, do, out, lse, lse if dlse is None else dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides_in,
-        *_bht_strides(out, layout), *_bht_strides(dq, layout), stride_lb, stride_lh,
-        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale, scale * LOG2E,
-        HAS_DLSE=dlse is not None, **common, **meta,
-    )
-    if rows_k > 0 and dk.numel() > 0:
-        kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, itemsize=q.element_size(),
-                                        rows=max(rows_q, rows_k))
-        grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
-        runtime.launchable(kernel, False, plan)[grid](
-            q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides_in,
-            *_bht_strides(dk, layout), *_bht_strides(dv, layout), stride_lb, stride_lh,
-            n_kv_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_k, left, right, scale, scale * LOG2E,
-            **common, **meta,
-        )
-    return dq, dk, dv
+    launch_dq = functools.partial(runtime.launchable(kernel, False, plan)[grid],
+                                  HAS_DLSE=dlse is not None, **common, **meta)
+    dq_ints = (*strides_in, *_bht_strides(out, layout), *_bht_strides(dq, layout), *stride_lse,
+               n_heads, group, seqlen_q, seqlen_k, rows_q)
+    if rows_k == 0 or dk.numel() == 0:
+        return launch_dq, dq_ints, None, (), False
+    kernel, meta = _kernel_and_meta(_attn_bwd_dkdv_kernel, "dkdv", head_dim, q.device, itemsize=q.element_size(),
+                                    rows=max(rows_q, rows_k))
+    grid = _grid(meta, lambda m: (runtime.cdiv(rows_k, m["BLOCK_N"]) * batch * n_kv_heads,))
+    launch_dkdv = functools.partial(runtime.launchable(kernel, False, plan)[grid], **common, **meta)
+    dkdv_ints = (*strides_in, *_bht_strides(dk, layout), *_bht_strides(dv, layout), *stride_lse,
+                 n_kv_heads, group, seqlen_q, seqlen_k, rows_k)
+    return launch_dq, dq_ints, launch_dkdv, dkdv_ints, False
 
 
 def _to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
