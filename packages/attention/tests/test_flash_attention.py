@@ -271,9 +271,30 @@ def test_tma_forward_matches_reference(b, hq, hkv, tq, tk, d, causal, window, la
                                      monkeypatch):
     monkeypatch.setattr(attention_ops, "_hopper", lambda device: True)
     monkeypatch.setattr(attention_ops, "TMA_MIN_WORK", 0)
+    _forget_recipes(monkeypatch)
     q, k, v, do = _make((b, hq, tq, d), (b, hkv, tk, d), dtype, kernel_device, seed, layout)
     assert attention_ops._use_tma(q, k, v, layout)
     check_attention(q, k, v, do, causal=causal, window=window, layout=layout)
+
+
+def _forget_recipes(monkeypatch):
+    """The launchers remember per shape what they launch (TMA or not, tiles): a test that changes
+    that policy starts from empty recipe caches."""
+    monkeypatch.setattr(attention_ops, "_FWD_RECIPES", {})
+    monkeypatch.setattr(attention_ops, "_BWD_RECIPES", {})
+
+
+@pytest.mark.interpret
+def test_recipes_are_reused_across_windows_and_scales(kernel_device, seed, monkeypatch):
+    """One shape called with different windows and scales (both signs): the launchers work the
+    launch out once per shape and key mask (forward) or shape (backward), pass the window
+    bounds and the scale per call, and every call is still right."""
+    _forget_recipes(monkeypatch)
+    q, k, v, do = _make((1, 2, 45, 32), (1, 2, 45, 32), torch.float16, kernel_device, seed)
+    for causal, window, scale in ((True, None, None), (False, (5, 2), 0.2), (False, None, -0.3), (False, None, None)):
+        check_attention(q, k, v, do, causal=causal, window=window, scale=scale)
+    assert len(attention_ops._FWD_RECIPES) == 2  # keys bounded by a mask or not
+    assert len(attention_ops._BWD_RECIPES) == 1
 
 
 @pytest.mark.interpret
@@ -284,6 +305,7 @@ def test_negative_and_zero_scale(scale, tma, kernel_device, seed, monkeypatch):
     as (-q) k^T |scale|; a zero scale gives uniform weights over the allowed keys (causal)."""
     monkeypatch.setattr(attention_ops, "_hopper", lambda device: tma)
     monkeypatch.setattr(attention_ops, "TMA_MIN_WORK", 0)
+    _forget_recipes(monkeypatch)
     q, k, v, do = _make((1, 2, 37, 32), (1, 2, 37, 32), torch.float16, kernel_device, seed)
     check_attention(q, k, v, do, scale=scale, causal=True)
 

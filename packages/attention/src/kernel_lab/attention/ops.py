@@ -237,24 +237,22 @@ def attention_fwd(
 
     Returns (out, lse): out in q's shape and dtype (contiguous in `layout`), lse float32
     (B, Hq, Tq) or, varlen, (Hq, total_q), natural-log units.
+
+    What follows from the shapes (tiles, grid, TMA or not, integer arguments) is worked out once
+    per shape (`_fwd_recipe`): a repeated call allocates, builds TMA descriptors if any, and
+    launches.
     """
     varlen = layout == "varlen"
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, n_heads, seqlen_q = _dims(q, layout)
-    _, n_kv_heads, seqlen_k = _dims(k, layout)
-    if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-    head_dim = q.shape[-1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse_shape = (n_heads, q.shape[0]) if varlen else (batch, n_heads, seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if runtime.backend(q) == "reference":
         ref_out, ref_lse = _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, left, right, layout)
         return out.copy_(ref_out), lse.copy_(ref_lse)
-    rows_q = max_seqlen_q if varlen else seqlen_q
-    if out.numel() == 0 or rows_q == 0:
+    if out.numel() == 0 or (max_seqlen_q if varlen else seqlen_q) == 0:
         return out, lse
-    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     if not varlen:
         # Never read (IS_VARLEN is False), but a real tensor: inductor's handling of None
         # arguments to user Triton kernels is fragile.
@@ -263,27 +261,52 @@ def attention_fwd(
         # The kernel takes row maxima of the unscaled scores (max(s) * scale = max(s * scale)
         # needs scale >= 0): (-q) k^T |scale| is the same logit.
         q, scale = -q, -scale
+    masked = min(left, right) < UNBOUNDED
+    # The recipe's and launch plan's key (runtime.DirectLauncher.planned): what picks the tuner,
+    # the config, the specialisation, the grid and the integer arguments; repeated calls skip
+    # working them out, the autotuner's key and the binder.
+    plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), masked,
+            cu_seqlens_q.shape, max_seqlen_q, _alignments(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
+    recipe = _FWD_RECIPES.get(plan)
+    if recipe is None:
+        if len(_FWD_RECIPES) >= runtime.MAX_PLANS:
+            _FWD_RECIPES.clear()
+        recipe = _FWD_RECIPES[plan] = _fwd_recipe(plan, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, masked, layout)
+    launch, ints, tma = recipe
+    qkv = _descriptors(*tma, Q=q, K=k, V=v) if tma else (q, k, v)
+    launch(*qkv, out, lse, cu_seqlens_q, cu_seqlens_k, *ints, left, right, scale * LOG2E)
+    return out, lse
+
+
+# The forward's recipes (`_fwd_recipe`) by launch-plan key, dropped when MAX_PLANS are held.
+_FWD_RECIPES: dict[tuple, tuple] = {}
+
+
+def _fwd_recipe(plan, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q: int, masked: bool, layout: str):
+    """What `attention_fwd` launches for the shapes in `plan`: (launch, its integer arguments,
+    (meta, constants) of the TMA descriptors or () for pointer loads). The launch is
+    `kernel[grid]` with its compile-time arguments bound; a call passes q, k, v (or their
+    descriptors), out, lse, cu_seqlens_q, cu_seqlens_k, the integers, left, right and
+    scale * log2(e)."""
+    varlen = layout == "varlen"
+    batch, n_heads, seqlen_q = _dims(q, layout)
+    _, n_kv_heads, seqlen_k = _dims(k, layout)
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+    rows_q = max_seqlen_q if varlen else seqlen_q
+    head_dim = q.shape[-1]
     # (the size test first: it is free, and small calls are where host time counts)
     use_tma = batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK and _use_tma(q, k, v, layout)
-    masked = min(left, right) < UNBOUNDED
     kernel, meta = _kernel_and_meta(_attn_fwd_kernel, "fwd", head_dim, q.device, itemsize=q.element_size(),
                                     tma=use_tma, rows=max(rows_q, seqlen_k), masked=masked)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
                   BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
-    qkv = _descriptors(meta, consts, Q=q, K=k, V=v) if use_tma else (q, k, v)
-    # The launch plan's key (runtime.DirectLauncher.planned): what picks the tuner, the config,
-    # the specialisation and the grid; repeated calls skip the autotuner's key and the binder.
-    plan = (q.device, layout, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), masked, batch, rows_q,
-            _alignments(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
-    runtime.launchable(kernel, False, plan)[grid](
-        *qkv, out, lse, cu_seqlens_q, cu_seqlens_k,
-        *_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
-        *_bht_strides(out, layout), stride_lb, stride_lh,
-        n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q, left, right, scale * LOG2E,
-        **consts, **meta,
-    )
-    return out, lse
+    launch = functools.partial(runtime.launchable(kernel, False, plan)[grid], **consts, **meta)
+    stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    ints = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
+            *_bht_strides(out, layout), *stride_lse, n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k, rows_q)
+    return launch, ints, ((meta, consts) if use_tma else ())
 
 
 def _alignments(*tensors: torch.Tensor | None) -> tuple:
@@ -367,8 +390,8 @@ def attention_bwd(
     if recipe is None:
         if len(_BWD_RECIPES) >= runtime.MAX_PLANS:
             _BWD_RECIPES.clear()
-        recipe = _BWD_RECIPES[plan] = _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, max_seqlen_q,
-                                                  max_seqlen_k, layout)
+        recipe = _BWD_RECIPES[plan] = _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q,
+                                                  max_seqlen_q, max_seqlen_k, layout)
     launch_dq, dq_ints, launch_dkdv, dkdv_ints, zero_dkdv = recipe
     if zero_dkdv:  # keys no query reads get zero gradient
         dk.zero_()
@@ -387,7 +410,8 @@ def attention_bwd(
 _BWD_RECIPES: dict[tuple, tuple] = {}
 
 
-def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, max_seqlen_q: int, max_seqlen_k: int, layout: str):
+def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int,
+                layout: str):
     """What `attention_bwd` launches for the shapes in `plan`: (dQ launch or None, its integer
     arguments, dK/dV launch or None, its integer arguments, whether dk and dv are zero-filled).
     A launch is `kernel[grid]` with its compile-time arguments bound; a call passes the tensors,
@@ -396,7 +420,7 @@ def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, max_seqlen_q: int
     batch, n_heads, seqlen_q = _dims(q, layout)
     _, n_kv_heads, seqlen_k = _dims(k, layout)
     if varlen:
-        batch = plan[12][0] - 1  # cu_seqlens_q.shape
+        batch = cu_seqlens_q.shape[0] - 1
     rows_q = max_seqlen_q if varlen else seqlen_q
     rows_k = max_seqlen_k if varlen else seqlen_k
     if dk.numel() > 0 and (dq.numel() == 0 or rows_q == 0):
