@@ -59,7 +59,12 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = Fals
     n_rows, n_cols = partials.shape
     out = torch.empty(n_cols, dtype=dtype, device=partials.device)
     if n_cols:
-        runtime.launchable(_sum_partials_kernel, traced)[(runtime.cdiv(n_cols, BLOCK_N),)](
+        # Launch plan key (runtime.DirectLauncher.planned): the device and the sizes fix the grid
+        # and the integer specialisations, the addresses' alignment the pointers'. A backward
+        # calls this on the autograd engine's device thread, where host work costs about twice
+        # what it costs on the caller's thread.
+        plan = (partials.device, partials.shape, dtype, partials.data_ptr() % 16, out.data_ptr() % 16)
+        runtime.launchable(_sum_partials_kernel, traced, plan)[(runtime.cdiv(n_cols, BLOCK_N),)](
             partials, out, n_rows, n_cols, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
