@@ -22,11 +22,18 @@ from _norms_checks import OPS, call, check_op, make_inputs
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def _forget_recipes(monkeypatch):
+    """The launchers remember per shape what they launch (tiles, grids): a test that changes the
+    constants those follow from starts from an empty recipe cache."""
+    monkeypatch.setattr(ops, "_RECIPES", {})
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Shrink the thresholds so small rows take the looped forward and the wide backward."""
 
     def shrink(max_fused: int, loop_block: int) -> None:
+        _forget_recipes(monkeypatch)
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "LAYER_NORM_BWD_MAX_FUSED_COLS", max_fused)
@@ -118,6 +125,7 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
     one 1-warp program per SM: 9 blocks a program, the last block half full."""
     for plan in ("RMS_BWD", "RESIDUAL_RMS_BWD", "GATED_RMS_BWD", "LAYER_NORM_BWD"):
         monkeypatch.setattr(ops, plan, ops._BwdPlan(32, 128, 1))
+    _forget_recipes(monkeypatch)
     sms = runtime.sm_count(torch.device(kernel_device))
     n_rows = 18 * sms - 1
     t = ops._bwd_tile(n_rows, 40, ops.BWD_MAX_FUSED_COLS, ops.RMS_WIDE, ops.RMS_BWD)
@@ -125,6 +133,32 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
     assert ops._bwd_programs(t, n_rows, torch.device(kernel_device), ops.RMS_WIDE, ops.RMS_BWD)[0] == sms
     inputs = make_inputs(op, (n_rows, 40), torch.float32, kernel_device, seed, shift=1.0 if op == "layer_norm" else 0.0)
     check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+def test_recipes_are_reused_across_calls(op, monkeypatch, kernel_device, seed):
+    """One shape called with other eps, offsets and values: each launcher works its launch out
+    once and passes eps and offset per call, and every call is still right. Strided rows (NaN
+    padding: a read with the wrong stride shows) are another key, with recipes of their own."""
+    _forget_recipes(monkeypatch)
+    family = "layer_norm" if op == "layer_norm" else "rms_norm"
+    shift = 1.5 if op == "layer_norm" else 0.0
+    first = None
+    for i, (eps, offset) in enumerate(((1e-6, 0.0), (1e-2, 1.0), (1e-5, -0.5))):
+        inputs = make_inputs(op, (5, 48), torch.float32, kernel_device, seed + i, shift=shift)
+        check_op(op, inputs, eps=eps, offset=offset, seed=seed + i, backend="triton")
+        if first is None:
+            first = dict(ops._RECIPES)
+            assert sorted(key[0] for key in first) == [f"{family}_bwd", f"{family}_fwd"]
+        # the same recipe objects: looked up, not worked out again
+        assert ops._RECIPES.keys() == first.keys()
+        assert all(ops._RECIPES[key] is recipe for key, recipe in first.items())
+    inputs = make_inputs(op, (5, 48), torch.float32, kernel_device, seed, shift=shift)
+    inputs["x"] = testing.strided_rows(inputs["x"], pad=11)
+    check_op(op, inputs, seed=seed, backend="triton")
+    # residual_rms_norm's backward reads u, fresh and contiguous however x is laid out
+    assert len(ops._RECIPES) == (3 if op == "residual_rms_norm" else 4)
 
 
 @pytest.mark.interpret

@@ -14,6 +14,7 @@ backward launcher (flags select residual and gate), LayerNorm has its own pair.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -155,7 +156,41 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop, plan
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
+#
+# Under autograd the backward launchers run on the engine's CUDA device thread, where host work
+# costs about twice what it does on the caller's thread (H200 host: per allocation and per
+# launch), and at mid-sized rows the backward's host time was longer than its GPU time. So an
+# eager launcher works out what follows from the shapes (tile, grid, integer arguments,
+# constexprs) once per launch-plan key and keeps it as a recipe; a repeated call allocates,
+# builds its key, looks the recipe up and launches. Traced launches (via_op, inside the
+# triton_ops) work it out on every call: torch.compile traces them once, sizes maybe symbolic.
 # ---------------------------------------------------------------------------------------------
+
+# Recipes (`_rms_fwd_recipe`, ...) by launch-plan key (its first item names the launcher),
+# dropped when MAX_PLANS are held: a workload of ever-new shapes works each out once. The module
+# constants the recipes read (tiles, _BwdPlan, _Loop, *_MAX_FUSED_COLS) are not in the keys: code
+# that changes them empties _RECIPES.
+_RECIPES: dict[tuple, tuple] = {}
+
+
+def _remember(key: tuple, recipe: tuple) -> tuple:
+    if len(_RECIPES) >= runtime.MAX_PLANS:
+        _RECIPES.clear()
+    _RECIPES[key] = recipe
+    return recipe
+
+
+def _arg_key(t: torch.Tensor | None) -> tuple | None:
+    """What a launch depends on of a (rows, n_cols) or (n_cols,) tensor argument besides the
+    shape: its first stride, dtype and address modulo 16 (Triton specialises pointers on 16-byte
+    alignment); None for an absent tensor.
+
+    A launch-plan key (runtime.DirectLauncher.planned) holds the device, the rows' shape and this
+    of every tensor the caller passes: equal keys then mean equal grids, integer arguments,
+    constexprs and specialisations. Not in it: the launchers' own buffers (fresh from
+    torch.empty, contiguous, at least 16-byte aligned) and eps / offset (floats, which Triton
+    does not specialise)."""
+    return None if t is None else (t.stride(0), t.dtype, t.data_ptr() % 16)
 
 
 def rms_norm_fwd(
@@ -171,7 +206,6 @@ def rms_norm_fwd(
     """Launcher of the RMSNorm family. Returns (y, u, rstd): y like x; u = x + residual (None
     without residual); rstd of each row, float32 (x.numel() // hidden,). Assumes checked inputs.
     """
-    n_cols = x.shape[-1]
     if runtime.backend(x) == "reference":
         xf = x.float() if residual is None else x.float() + residual.float()
         rstd = reference.rms_norm_rstd(xf, eps, compute_dtype=torch.float32).reshape(-1)
@@ -180,26 +214,44 @@ def rms_norm_fwd(
         else:
             y = reference.rms_norm(xf, weight, eps, offset=offset, compute_dtype=torch.float32)
         return y.to(x.dtype), None if residual is None else xf.to(x.dtype), rstd
+    device = x.device
     x2 = runtime.rows_view(x)
-    n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    u = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    n_rows, n_cols = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=device)
+    u = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
     if y.numel() == 0:
         return y, u, rstd.fill_(1 / math.sqrt(eps))
-    y2 = y.view(-1, n_cols)
-    r2 = x2 if residual is None else runtime.rows_view(residual)
-    z2 = x2 if gate is None else runtime.rows_view(gate)
-    u2 = y2 if u is None else u.view(-1, n_cols)
+    r2 = None if residual is None else runtime.rows_view(residual)
+    z2 = None if gate is None else runtime.rows_view(gate)
+    if via_op:
+        launch, strides = _rms_fwd_recipe(x2, r2, z2, weight, traced=True)
+    else:
+        key = ("rms_norm_fwd", device, x2.shape, _arg_key(x2), _arg_key(r2), _arg_key(z2), _arg_key(weight))
+        launch, strides = _RECIPES.get(key) or _remember(key, _rms_fwd_recipe(x2, r2, z2, weight, plan=key))
+    y2 = runtime.rows_view(y)
+    # absent inputs and u stand in as x and y: their flags keep the kernel from touching them
+    launch(x2, x2 if r2 is None else r2, x2 if z2 is None else z2, x2 if weight is None else weight,
+           y2, y2 if u is None else runtime.rows_view(u), rstd, n_rows, n_cols, eps, offset, *strides)
+    return y, u, rstd
+
+
+def _rms_fwd_recipe(x2, r2, z2, weight, *, traced: bool = False, plan: tuple | None = None) -> tuple:
+    """What `rms_norm_fwd` launches for these shapes: (launch, row strides). The launch is the
+    kernel indexed with its grid, its constexprs bound; a call passes the tensors, n_rows,
+    n_cols, eps, offset, then the strides."""
+    n_rows, n_cols = x2.shape
     t = _fwd_tile(n_rows, n_cols, RMS_LOOP)
-    runtime.launchable(_rms_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device, RMS_LOOP)](
-        x2, r2, z2, x2 if weight is None else weight, y2, u2, rstd,
-        n_rows, n_cols, eps, offset,
-        x2.stride(0), r2.stride(0), z2.stride(0), y2.stride(0), u2.stride(0),
-        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+    grid = _fwd_grid(t, n_rows, x2.device, RMS_LOOP)
+    launch = functools.partial(
+        runtime.launchable(_rms_norm_fwd_kernel, traced, plan)[grid],
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=r2 is not None, HAS_GATE=z2 is not None,
         ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
     )
-    return y, u, rstd
+    # y and u are fresh and contiguous: rows n_cols apart
+    strides = (x2.stride(0), (x2 if r2 is None else r2).stride(0), (x2 if z2 is None else z2).stride(0),
+               n_cols, n_cols)
+    return launch, strides
 
 
 def rms_norm_bwd(
@@ -217,7 +269,6 @@ def rms_norm_bwd(
     """Backward launcher of the RMSNorm family. xn: the normalized input (x, or u = x +
     residual); du: the gradient of u (residual variant, None if u was unused).
     Returns (dxn, dgate, dweight); dxn is the gradient of x and of residual alike."""
-    n_cols = xn.shape[-1]
     if runtime.backend(xn) == "reference":
         dgate = None
         if gate is not None:
@@ -229,66 +280,96 @@ def rms_norm_bwd(
         if du is not None:
             dx = dx + du.float()
         return dx.to(xn.dtype), dgate, None if dw is None else dw.to(weight.dtype)
-    dx = torch.empty(xn.shape, dtype=xn.dtype, device=xn.device)
-    dgate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    device = xn.device
+    dx = torch.empty(xn.shape, dtype=xn.dtype, device=device)
+    dgate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=device)
     if dx.numel() == 0:
         return dx, dgate, None if weight is None else torch.zeros_like(weight)
     x2, dy2 = runtime.rows_view(xn), runtime.rows_view(dy)
-    n_rows = x2.shape[0]
-    dx2 = dx.view(-1, n_cols)
-    z2 = x2 if gate is None else runtime.rows_view(gate)
-    dz2 = dx2 if dgate is None else dgate.view(-1, n_cols)
-    du2 = dx2 if du is None else runtime.rows_view(du)
-    w = x2 if weight is None else weight
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=gate is not None, HAS_DU=du is not None)
-    strides = (dy2.stride(0), x2.stride(0), z2.stride(0), du2.stride(0), dx2.stride(0), dz2.stride(0))
-    plan = GATED_RMS_BWD if gate is not None else RESIDUAL_RMS_BWD if du is not None else RMS_BWD
-    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, plan)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, xn.device, RMS_WIDE, plan)
-    partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=xn.device)
-    if t.one_tile:
-        runtime.launchable(_rms_norm_bwd_kernel, via_op)[(n_programs,)](
-            dy2, x2, z2, w, rstd, du2, dx2, dz2, partial,
-            n_rows, n_cols, offset, *strides, **flags,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-        )
+    n_rows, n_cols = x2.shape
+    z2 = None if gate is None else runtime.rows_view(gate)
+    du2 = None if du is None else runtime.rows_view(du)
+    if via_op:
+        launch, n_programs, ints, wide = _rms_bwd_recipe(dy2, x2, z2, weight, du2, traced=True)
     else:
-        dot = torch.empty(n_rows, dtype=torch.float32, device=xn.device)
-        runtime.launchable(_rms_norm_bwd_wide_kernel, via_op)[(n_programs,)](
-            dy2, x2, z2, w, rstd, du2, dx2, dz2, partial, dot,
-            n_rows, n_cols, offset, rows_per_program, *strides, **flags,
-            BLOCK_N=t.block_n, num_warps=t.num_warps,
-        )
+        key = ("rms_norm_bwd", device, x2.shape, _arg_key(dy2), _arg_key(x2), _arg_key(z2), _arg_key(weight),
+               _arg_key(rstd), _arg_key(du2))
+        launch, n_programs, ints, wide = _RECIPES.get(key) or _remember(
+            key, _rms_bwd_recipe(dy2, x2, z2, weight, du2, plan=key))
+    dx2 = runtime.rows_view(dx)
+    # dweight's partial sums, a row per program; without a weight the kernel writes none and dx
+    # stands in, as it does for absent du and dgate (and x for the gate and the weight)
+    partial = dx2 if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
+    tensors = (dy2, x2, x2 if z2 is None else z2, x2 if weight is None else weight, rstd,
+               dx2 if du2 is None else du2, dx2, dx2 if dgate is None else runtime.rows_view(dgate), partial)
+    if wide:  # + each row's dot, float32 scratch
+        launch(*tensors, torch.empty(n_rows, dtype=torch.float32, device=device), n_rows, n_cols, offset, *ints)
+    else:
+        launch(*tensors, n_rows, n_cols, offset, *ints)
     return dx, dgate, None if weight is None else partial_sums.sum_partials(partial, weight.dtype, via_op)
+
+
+def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tuple | None = None) -> tuple:
+    """What `rms_norm_bwd` launches for these shapes: (launch, n_programs, integer arguments
+    after offset, wide). The launch is the one-tile kernel, or the wide kernel (wide: it also
+    takes a dot buffer after the partial sums), indexed with its grid, its constexprs bound."""
+    n_rows, n_cols = x2.shape
+    bwd = GATED_RMS_BWD if z2 is not None else RESIDUAL_RMS_BWD if du2 is not None else RMS_BWD
+    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, bwd)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, RMS_WIDE, bwd)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=z2 is not None, HAS_DU=du2 is not None)
+    # dx and dgate are fresh and contiguous (rows n_cols apart); absent gate and du stand in as x and dx
+    strides = (dy2.stride(0), x2.stride(0), (x2 if z2 is None else z2).stride(0),
+               n_cols if du2 is None else du2.stride(0), n_cols, n_cols)
+    if t.one_tile:
+        launch = functools.partial(runtime.launchable(_rms_norm_bwd_kernel, traced, plan)[(n_programs,)],
+                                   **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps)
+        return launch, n_programs, strides, False
+    launch = functools.partial(runtime.launchable(_rms_norm_bwd_wide_kernel, traced, plan)[(n_programs,)],
+                               **flags, BLOCK_N=t.block_n, num_warps=t.num_warps)
+    return launch, n_programs, (rows_per_program, *strides), True
 
 
 def layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *, via_op: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of LayerNorm. Returns (y, mean, rstd); mean and rstd per row, float32."""
-    n_cols = x.shape[-1]
     if runtime.backend(x) == "reference":
         xf = x.float()
         mean, rstd = reference.layer_norm_stats(xf, eps, compute_dtype=torch.float32)
         y = reference.layer_norm(xf, weight, bias, eps, compute_dtype=torch.float32)
         return y.to(x.dtype), mean.reshape(-1), rstd.reshape(-1)
+    device = x.device
     x2 = runtime.rows_view(x)
-    n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    n_rows, n_cols = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
     if y.numel() == 0:
         return y, mean.zero_(), rstd.fill_(1 / math.sqrt(eps))
-    y2 = y.view(-1, n_cols)
-    t = _fwd_tile(n_rows, n_cols, LAYER_NORM_LOOP)
-    num_warps = min(t.num_warps, LAYER_NORM_FWD_MAX_WARPS) if t.one_tile else t.num_warps
-    runtime.launchable(_layer_norm_fwd_kernel, via_op)[_fwd_grid(t, n_rows, x.device, LAYER_NORM_LOOP)](
-        x2, x2 if weight is None else weight, x2 if bias is None else bias, y2, mean, rstd,
-        n_rows, n_cols, eps, x2.stride(0), y2.stride(0),
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=num_warps,
-    )
+    if via_op:
+        launch, strides = _layer_norm_fwd_recipe(x2, weight, bias, traced=True)
+    else:
+        key = ("layer_norm_fwd", device, x2.shape, _arg_key(x2), _arg_key(weight), _arg_key(bias))
+        launch, strides = _RECIPES.get(key) or _remember(key, _layer_norm_fwd_recipe(x2, weight, bias, plan=key))
+    launch(x2, x2 if weight is None else weight, x2 if bias is None else bias, runtime.rows_view(y), mean, rstd,
+           n_rows, n_cols, eps, *strides)
     return y, mean, rstd
+
+
+def _layer_norm_fwd_recipe(x2, weight, bias, *, traced: bool = False, plan: tuple | None = None) -> tuple:
+    """What `layer_norm_fwd` launches for these shapes: (launch, row strides of x and y). The
+    launch is the kernel indexed with its grid, its constexprs bound; a call passes the tensors,
+    n_rows, n_cols, eps, then the strides."""
+    n_rows, n_cols = x2.shape
+    t = _fwd_tile(n_rows, n_cols, LAYER_NORM_LOOP)
+    grid = _fwd_grid(t, n_rows, x2.device, LAYER_NORM_LOOP)
+    launch = functools.partial(
+        runtime.launchable(_layer_norm_fwd_kernel, traced, plan)[grid],
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ONE_TILE=t.one_tile, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, num_warps=min(t.num_warps, LAYER_NORM_FWD_MAX_WARPS) if t.one_tile else t.num_warps,
+    )
+    return launch, (x2.stride(0), n_cols)  # y: fresh and contiguous
 
 
 def layer_norm_bwd(
@@ -304,42 +385,62 @@ def layer_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward launcher of LayerNorm: (dx, dweight, dbias); `bias` only says whether dbias is
     wanted (its values are not needed)."""
-    n_cols = x.shape[-1]
     if runtime.backend(x) == "reference":
         dx, dw, db = reference.layer_norm_backward(dy, x, weight, bias, eps, compute_dtype=torch.float32)
         return (dx.to(x.dtype), None if dw is None else dw.to(weight.dtype),
                 None if db is None else db.to(bias.dtype))
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    device = x.device
+    dx = torch.empty(x.shape, dtype=x.dtype, device=device)
     if dx.numel() == 0:
         zeros = lambda p: None if p is None else torch.zeros_like(p)
         return dx, zeros(weight), zeros(bias)
     x2, dy2 = runtime.rows_view(x), runtime.rows_view(dy)
-    n_rows = x2.shape[0]
-    dx2 = dx.view(-1, n_cols)
-    w = x2 if weight is None else weight
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-    strides = (dy2.stride(0), x2.stride(0), dx2.stride(0))
+    n_rows, n_cols = x2.shape
+    if via_op:
+        launch, partial_shape, ints, wide = _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, traced=True)
+    else:
+        key = ("layer_norm_bwd", device, x2.shape, _arg_key(dy2), _arg_key(x2), _arg_key(weight), bias is None,
+               _arg_key(mean), _arg_key(rstd))
+        launch, partial_shape, ints, wide = _RECIPES.get(key) or _remember(
+            key, _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, plan=key))
+    dx2 = runtime.rows_view(dx)
+    # without a weight or bias the kernel writes no partial sums, and dx stands in
+    partial = dx2 if partial_shape is None else torch.empty(partial_shape, dtype=torch.float32, device=device)
+    tensors = (dy2, x2, x2 if weight is None else weight, mean, rstd, dx2, partial)
+    if wide:  # + each row's two dots, float32 scratch
+        launch(*tensors, torch.empty((n_rows, 2), dtype=torch.float32, device=device), n_rows, n_cols, *ints)
+    else:
+        launch(*tensors, n_rows, n_cols, *ints)
+    dw_partial = db_partial = partial
+    if weight is not None and bias is not None:
+        dw_partial, db_partial = partial  # one slab each, dweight's first
+    dw = None if weight is None else partial_sums.sum_partials(dw_partial, weight.dtype, via_op)
+    db = None if bias is None else partial_sums.sum_partials(db_partial, bias.dtype, via_op)
+    return dx, dw, db
+
+
+def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = False,
+                           plan: tuple | None = None) -> tuple:
+    """What `layer_norm_bwd` launches for these shapes: (launch, shape of the partial sums or
+    None without parameters, integer arguments after n_cols, wide). The launch is the one-tile
+    kernel, or the wide kernel (wide: it also takes a dot buffer after the partial sums),
+    indexed with its grid, its constexprs bound."""
+    n_rows, n_cols = x2.shape
     t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, LAYER_NORM_BWD,
                   LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, x.device, LAYER_NORM_WIDE, LAYER_NORM_BWD)
-    n_params = (weight is not None) + (bias is not None)  # one slab of partial sums each
-    partial = torch.empty((max(1, n_params), n_programs, n_cols), dtype=torch.float32, device=x.device)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, LAYER_NORM_BWD)
+    # one (n_programs, n_cols) slab of partial sums per parameter present, dweight's first
+    n_params = (weight is not None) + has_bias
+    partial_shape = None if n_params == 0 else (n_programs, n_cols) if n_params == 1 else (2, n_programs, n_cols)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias)
+    strides = (dy2.stride(0), x2.stride(0), n_cols)  # dx: fresh and contiguous
     if t.one_tile:
-        runtime.launchable(_layer_norm_bwd_kernel, via_op)[(n_programs,)](
-            dy2, x2, w, mean, rstd, dx2, partial,
-            n_rows, n_cols, *strides, **flags,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-        )
-    else:
-        dot = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-        runtime.launchable(_layer_norm_bwd_wide_kernel, via_op)[(n_programs,)](
-            dy2, x2, w, mean, rstd, dx2, partial, dot,
-            n_rows, n_cols, rows_per_program, *strides, **flags,
-            BLOCK_N=t.block_n, num_warps=t.num_warps,
-        )
-    slabs = iter(partial)  # one per parameter present, dweight's first
-    dw, db = (None if p is None else partial_sums.sum_partials(next(slabs), p.dtype, via_op) for p in (weight, bias))
-    return dx, dw, db
+        launch = functools.partial(runtime.launchable(_layer_norm_bwd_kernel, traced, plan)[(n_programs,)],
+                                   **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps)
+        return launch, partial_shape, strides, False
+    launch = functools.partial(runtime.launchable(_layer_norm_bwd_wide_kernel, traced, plan)[(n_programs,)],
+                               **flags, BLOCK_N=t.block_n, num_warps=t.num_warps)
+    return launch, partial_shape, (rows_per_program, *strides), True
 
 
 # ---------------------------------------------------------------------------------------------
