@@ -184,6 +184,19 @@ def test_strided_rows_are_read_in_place(op, kernel_device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+def test_strided_parameters_are_read_right(op, kernel_device, seed):
+    """The kernels read weight and bias at w_ptr + column: a strided view (every other value of a
+    longer tensor) must be read with its stride, and get its gradient."""
+    inputs = make_inputs(op, (6, 45), torch.float32, kernel_device, seed, shift=1.0 if op == "layer_norm" else 0.0)
+    for k in ("weight", "bias"):
+        if k in inputs:
+            inputs[k] = torch.stack([inputs[k], torch.full_like(inputs[k], float("nan"))], dim=1)[:, 0]
+            assert inputs[k].stride() == (2,)
+    check_op(op, inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
 def test_transposed_input_is_copied_and_correct(kernel_device, seed):
     inputs = make_inputs("rms_norm", (20, 33), torch.float32, kernel_device, seed)
     inputs["x"] = testing.transposed_copy(inputs["x"])

@@ -204,7 +204,8 @@ def rms_norm_fwd(
     via_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Launcher of the RMSNorm family. Returns (y, u, rstd): y like x; u = x + residual (None
-    without residual); rstd of each row, float32 (x.numel() // hidden,). Assumes checked inputs.
+    without residual); rstd of each row, float32 (x.numel() // hidden,). Assumes checked inputs
+    (a contiguous weight: see `_dense`).
     """
     if runtime.backend(x) == "reference":
         xf = x.float() if residual is None else x.float() + residual.float()
@@ -333,7 +334,8 @@ def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tup
 def layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *, via_op: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher of LayerNorm. Returns (y, mean, rstd); mean and rstd per row, float32."""
+    """Launcher of LayerNorm. Returns (y, mean, rstd); mean and rstd per row, float32. Assumes
+    checked inputs (contiguous weight and bias: see `_dense`)."""
     if runtime.backend(x) == "reference":
         xf = x.float()
         mean, rstd = reference.layer_norm_stats(xf, eps, compute_dtype=torch.float32)
@@ -646,8 +648,15 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _dense(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-feature parameter as the kernels read it (at w_ptr + column): contiguous. A strided
+    one (e.g. w[::2]) is copied, under autograd, so its gradient still reaches it."""
+    return p if p is None or p.is_contiguous() else p.contiguous()
+
+
 def _rms_dispatch(x, residual, gate, weight, eps, offset):
     """(y, u) of the RMSNorm family through the compile-, autograd- or plain launcher path."""
+    weight = _dense(weight)
     if torch.compiler.is_compiling():
         y, u, _ = torch.ops.kernel_lab.rms_norm_fwd(x, residual, gate, weight, eps, offset)
         return y, u
@@ -752,6 +761,7 @@ def layer_norm(
     eps, _ = _check("layer_norm", x, {"weight": weight, "bias": bias}, {}, eps, backend)
     if backend == "reference":
         return reference.layer_norm(x, weight, bias, eps, compute_dtype=torch.float32).to(x.dtype)
+    weight, bias = _dense(weight), _dense(bias)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.layer_norm_fwd(x, weight, bias, eps)[0]
     if _needs_grad(x, weight, bias):
