@@ -88,6 +88,37 @@ def test_bias_gelu_strided_rows_match_reference(kernel_device, seed, approximate
 
 
 @pytest.mark.interpret
+def test_bias_gelu_strided_bias_matches_reference(kernel_device, seed):
+    """A bias that is a strided view (every other element of a buffer) is read as its values,
+    not as the buffer's first N elements."""
+    x = randn(4, 5, 33, device=kernel_device, seed=seed, scale=2.0)
+    bias = randn(2 * 33, device=kernel_device, seed=seed + 1)[::2].requires_grad_(True)
+    dy = randn(*x.shape, device=kernel_device, seed=seed + 2)
+    xk = x.clone().requires_grad_(True)
+    y = mlp.bias_gelu(xk, bias)
+    dx, db = torch.autograd.grad(y, (xk, bias), dy)
+    bias = bias.detach()
+    assert_close_to_reference(y, reference.bias_gelu(x, bias), name="y")
+    ref_dx, ref_db = reference.bias_gelu_backward(x, bias, dy)
+    assert_close_to_reference(dx, ref_dx, name="dx")
+    assert_close_to_reference(db, ref_db, name="dbias")
+
+
+@pytest.mark.interpret
+def test_bias_gelu_launch_recipes_are_reused_across_calls(kernel_device, seed, monkeypatch):
+    """Calls of one shape with new values reuse the launchers' recipes (one per launch-plan key)
+    and stay right."""
+    monkeypatch.setattr(ops, "_RECIPES", {})
+    counts = []
+    for call in range(2):
+        x = randn(2, 70, 33, dtype=torch.float16, device=kernel_device, seed=seed + 10 * call, scale=2.0)
+        bias = randn(33, dtype=torch.float16, device=kernel_device, seed=seed + 10 * call + 1)
+        _check(x, bias, "tanh", seed + 10 * call)
+        counts.append(len(ops._RECIPES))
+    assert counts == [2, 2]  # the forward's and the backward's
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("approximate", APPROX)
 def test_bias_gelu_kernels_write_every_element_of_poisoned_outputs(kernel_device, seed, approximate):
     """The launchers fill NaN-poisoned buffers completely (masked tails, row tails)."""

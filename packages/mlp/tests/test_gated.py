@@ -57,6 +57,8 @@ def _check_fwd_bwd(gate, up, layout, act, dtype, seed):
     else:
         if layout == "strided":
             gate, up = strided_rows(gate, pad=5), strided_rows(up, pad=3)
+        elif layout == "halves":  # views into one packed tensor: up starts d elements in
+            gate, up = ops._split(torch.cat([gate, up], dim=-1))
         gate, up = gate.requires_grad_(True), up.requires_grad_(True)
         y = _public(layout, act)(gate, up)
         dgate, dup = torch.autograd.grad(y, (gate, up), dy)
@@ -74,7 +76,7 @@ def _check_fwd_bwd(gate, up, layout, act, dtype, seed):
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", list(ACTS))
-@pytest.mark.parametrize("layout", ["contiguous", "strided", "packed"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "halves", "packed"])
 # (3, 1500): flat, two FLAT_BLOCK tiles; row-structured, two column blocks
 @pytest.mark.parametrize("shape", [(3, 7, 33), (3, 1500)], ids=["odd", "several-blocks"])
 def test_gated_forward_backward_match_reference(kernel_device, seed, dtype, act, layout, shape):
@@ -132,6 +134,36 @@ def test_packed_gradient_of_expanded_dy_matches_reference(kernel_device, seed):
     dy = torch.ones(6, 45, dtype=torch.float64, device=kernel_device)
     ref = reference.gelu_and_mul_backward(x.detach(), dy, "tanh")
     assert_close_to_reference(x.grad, ref, name="dx", atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_launch_recipes_are_reused_across_calls(kernel_device, seed, act, monkeypatch):
+    """Calls of one shape and layout with new values reuse the launchers' recipes (worked out
+    once per launch-plan key: shape, strides, dtypes and 16-byte alignments) and stay right; a
+    new alignment of the same shape gets its own recipe."""
+    monkeypatch.setattr(ops, "_RECIPES", {})
+    shape, dtype = (2, 3, 45), torch.float16  # the up half of a packed row starts 90 bytes in
+    counts = []
+    for call in range(2):
+        gate = randn(*shape, dtype=dtype, device=kernel_device, seed=seed + 10 * call, scale=3.0)
+        up = randn(*shape, dtype=dtype, device=kernel_device, seed=seed + 10 * call + 1)
+        for layout in ("contiguous", "halves", "packed"):  # (detached: the check marks its inputs requires_grad)
+            _check_fwd_bwd(gate.detach(), up.detach(), layout, act, dtype, seed + 10 * call)
+        # a stride-0 dy, copied on every call
+        x = torch.cat([gate, up], dim=-1).requires_grad_(True)
+        _public("packed", act)(x).sum().backward()
+        bg, bu = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+        base = torch.autograd.grad(_eager(bg, bu, act).sum(), (bg, bu))
+        ref = _ref_bwd(gate, up, torch.ones(shape, dtype=torch.float64, device=kernel_device), act)
+        assert_close_to_reference(x.grad, torch.cat(ref, dim=-1), torch.cat(base, dim=-1), name="dx, stride-0 dy")
+        counts.append(len(ops._RECIPES))
+    # forward and backward of the contiguous and halves layouts (the packed forward reads the same
+    # halves), the packed backward (its outputs are halves), and that backward with a stride-0 dy
+    assert counts == [6, 6]
+    offset = randn(gate.numel() + 1, dtype=dtype, device=kernel_device, seed=seed + 3)[1:].view(shape)
+    _check_fwd_bwd(offset, up, "contiguous", act, dtype, seed)
+    assert len(ops._RECIPES) == 8  # gate 2 bytes off 16-byte alignment: its own forward and backward
 
 
 @pytest.mark.gpu

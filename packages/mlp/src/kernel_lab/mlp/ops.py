@@ -94,73 +94,156 @@ def _reference_gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) 
 
 
 # Launchers. They assume checked inputs (see the public ops below).
+#
+# Every kernel here takes its tensors, then integers (sizes, row strides), then compile-time
+# arguments. It reads each (..., N) tensor as a (rows, N) matrix with unit column stride, a pointer
+# and a row stride (`rows_view`); the bias as one such row.
+#
+# Recipes of eager launches by launch-plan key (runtime.DirectLauncher.planned). Under autograd the
+# backward runs on the engine's CUDA device thread, where host work measured about twice as
+# expensive as on the caller's thread (H200 host), and at LLM sizes the backward's host time
+# exceeded its GPU time: so what follows from the shapes is worked out once per key, and a
+# repeated call allocates, builds its key and launches. The key: the recipe's maker (which names
+# the kernel), the activation, the device, the shape, and each tensor argument's dtype, strides
+# and address modulo 16 (`_layout`). Tensors allocated after the lookup (partial sums, copies)
+# come from torch's allocators, aligned to 64 bytes or more. Module constants (tiles) are not in
+# the key: code that changes them clears _RECIPES. Entries: (which tensors are copied or None,
+# the recipe), all dropped when MAX_PLANS are held.
+_RECIPES: dict[tuple, tuple] = {}
 
 
-def _launch_tiles(
-    kernel, args: tuple, n_rows: int, n_cols: int, activation: str, traced: bool,
-    tile_elements: int = TILE_ELEMENTS, flat: bool = False,
-) -> None:  # fmt: skip
-    """Launch an element-wise kernel over (n_rows, n_cols) on a 1-D grid of BLOCK_M x BLOCK_N
-    tiles. args: the kernel's arguments before its constexprs (pointers, sizes, row strides).
-    flat: the caller passed a (1, numel) view of contiguous tensors; FLAT_BLOCK tiles."""
-    if n_rows * n_cols == 0:
-        return
+def _layout(t: torch.Tensor) -> tuple:
+    """A tensor argument's part of a launch-plan key: dtype, strides and address modulo 16
+    (Triton specialises pointers on 16-byte alignment; gate and up may be halves of a packed
+    tensor, offset by d elements)."""
+    return t.dtype, t.stride(), t.data_ptr() % 16
+
+
+def _recipe(make, tensors: tuple, activation: str, traced: bool) -> tuple:
+    """(the tensors to pass, their recipe) for a launch over `tensors`, none empty, all of the
+    first one's shape but the bias (N,). The recipe is make(read, activation, traced, plan): the
+    launch (`kernel[grid]`, compile-time arguments bound), the integers to pass after the tensors,
+    and whatever else the caller needs, worked out from the tensors read as rows.
+
+    Traced (torch.compile: symbolic sizes, no addresses), every call works it out and passes the
+    row views. Eager calls do so once per launch-plan key (see `_RECIPES`) and pass their tensors
+    as they are: a row view has its tensor's address, and its row stride follows from the key.
+    A layout that no view reads as rows (the stride-0 dy of `y.sum().backward()`, a strided bias)
+    is copied on every call, as `rows_view` would."""
+    if traced:
+        read = tuple(map(rows_view, tensors))
+        return read, make(read, activation, True, None)
+    first = tensors[0]
+    key = (make, activation, first.device, first.shape, *map(_layout, tensors))
+    entry = _RECIPES.get(key)
+    if entry is None:
+        if len(_RECIPES) >= runtime.MAX_PLANS:
+            _RECIPES.clear()
+        read = tuple(map(rows_view, tensors))
+        copies = tuple(r.data_ptr() != t.data_ptr() for r, t in zip(read, tensors, strict=True))
+        entry = _RECIPES[key] = (copies if any(copies) else None, make(read, activation, False, key))
+    copies, recipe = entry
+    if copies:
+        tensors = tuple(t.contiguous() if copy else t for t, copy in zip(tensors, copies, strict=True))
+    return tensors, recipe
+
+
+def _tiles(
+    kernel, n_rows: int, n_cols: int, strides: tuple, activation: str, traced: bool, plan,
+    flat: bool = False, tile_elements: int = TILE_ELEMENTS,
+) -> tuple:  # fmt: skip
+    """(launch, integers) of an element-wise kernel over (n_rows, n_cols) on a 1-D grid of
+    BLOCK_M x BLOCK_N tiles; the integers are n_rows, n_cols and the tensors' row `strides`.
+    flat: the tensors are contiguous, read as one row of numel elements in FLAT_BLOCK tiles."""
     if flat:
+        n_rows, n_cols = 1, n_rows * n_cols
         block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_NUM_WARPS
     else:
         (block_m, block_n), num_warps = _blocks(n_rows, n_cols, tile_elements), NUM_WARPS
     grid = (runtime.cdiv(n_rows, block_m) * runtime.cdiv(n_cols, block_n),)
-    runtime.launchable(kernel, traced)[grid](
-        *args, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
-    )
+    launch = partial(
+        runtime.launchable(kernel, traced, plan)[grid],
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return launch, (n_rows, n_cols, *strides)
 
 
-def _flat(*tensors: torch.Tensor) -> bool:
-    """Whether (rows, cols) views are all contiguous, so the kernels may treat them as one row
-    of numel elements (the kernels' column indices are int32, so the last tile must end below
+def _gated_tiles(kernel, read: tuple, activation: str, traced: bool, plan) -> tuple:
+    """`_tiles` of a gated kernel over same-shape (rows, N) tensors: flat when all are
+    contiguous (the kernels' column indices are int32, so the last flat tile must end below
     2**31)."""
-    n_rows, n_cols = tensors[0].shape
-    return n_rows * n_cols + FLAT_BLOCK < 2**31 and all(t.stride(0) == n_cols for t in tensors)
+    n_rows, n_cols = read[0].shape
+    strides = tuple(t.stride(0) for t in read)
+    flat = n_rows * n_cols + FLAT_BLOCK < 2**31 and all(s == n_cols for s in strides)
+    return _tiles(kernel, n_rows, n_cols, strides, activation, traced, plan, flat=flat)
+
+
+def _gated_fwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
+    return _gated_tiles(_gated_fwd_kernel, read, activation, traced, plan)
+
+
+def _gated_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
+    return _gated_tiles(_gated_bwd_kernel, read, activation, traced, plan)
+
+
+def _bias_gelu_fwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
+    x2, _, out2 = read
+    n_rows, n_cols = x2.shape
+    strides = (x2.stride(0), out2.stride(0))
+    return _tiles(_bias_gelu_fwd_kernel, n_rows, n_cols, strides, activation, traced, plan,
+                  tile_elements=BIAS_GELU_TILE_ELEMENTS)
+
+
+def _bias_gelu_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
+    """(launch, integers, shape of the float32 partial sums, passed between the tensors and the
+    integers): programs over chunks of rows x column blocks, about BIAS_GRAD_PROGRAMS_PER_SM per
+    SM; each writes its chunk's column sums of dx to its row of the partials."""
+    x2, _, dy2, dx2 = read
+    n_rows, n_cols = x2.shape
+    block_m, block_n = _blocks(n_rows, n_cols, BIAS_GRAD_TILE_ELEMENTS)
+    col_blocks = runtime.cdiv(n_cols, block_n)
+    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * runtime.sm_count(x2.device), col_blocks)
+    chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
+    rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
+    chunks = runtime.cdiv(n_rows, rows_per_program)
+    launch = partial(
+        runtime.launchable(_bias_gelu_bwd_kernel, traced, plan)[(chunks, col_blocks)],
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=BIAS_GRAD_STAGES,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    ints = (n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0), rows_per_program)
+    return launch, ints, (chunks, n_cols)
 
 
 def _launch_gated_fwd(
-    g2: torch.Tensor, u2: torch.Tensor, out2: torch.Tensor, activation: str, traced: bool = False
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, activation: str, traced: bool = False
 ) -> None:
-    n_rows, n_cols = out2.shape
-    flat = _flat(g2, u2, out2)
-    if flat:
-        n_rows, n_cols = 1, n_rows * n_cols
-    args = (g2, u2, out2, n_rows, n_cols, g2.stride(0), u2.stride(0), out2.stride(0))
-    _launch_tiles(_gated_fwd_kernel, args, n_rows, n_cols, activation, traced, flat=flat)
+    """out = act(gate) * up; all (..., N) of one shape and dtype, not empty."""
+    tensors, (launch, ints) = _recipe(_gated_fwd_recipe, (gate, up, out), activation, traced)
+    launch(*tensors, *ints)
 
 
 def _launch_gated_bwd(
-    g2: torch.Tensor,
-    u2: torch.Tensor,
-    dy2: torch.Tensor,
-    dg2: torch.Tensor,
-    du2: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dy: torch.Tensor,
+    dgate: torch.Tensor,
+    dup: torch.Tensor,
     activation: str,
     traced: bool = False,
 ) -> None:
-    n_rows, n_cols = dy2.shape
-    flat = _flat(g2, u2, dy2, dg2, du2)
-    if flat:
-        n_rows, n_cols = 1, n_rows * n_cols
-    args = (
-        g2, u2, dy2, dg2, du2, n_rows, n_cols,
-        g2.stride(0), u2.stride(0), dy2.stride(0), dg2.stride(0), du2.stride(0),
-    )  # fmt: skip
-    _launch_tiles(_gated_bwd_kernel, args, n_rows, n_cols, activation, traced, flat=flat)
+    """dgate, dup of act(gate) * up given dy; all (..., N) of one shape and dtype, not empty."""
+    tensors, (launch, ints) = _recipe(_gated_bwd_recipe, (gate, up, dy, dgate, dup), activation, traced)
+    launch(*tensors, *ints)
 
 
 def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str, traced: bool = False) -> torch.Tensor:
     """Launcher: act(gate) * up for same-shape gate and up (..., d); output contiguous."""
     if runtime.backend(gate) == "reference":
         return _reference_gated_fwd(gate, up, activation)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     if out.numel():
-        _launch_gated_fwd(rows_view(gate), rows_view(up), out.view(-1, out.shape[-1]), activation, traced)
+        _launch_gated_fwd(gate, up, out, activation, traced)
     return out
 
 
@@ -174,13 +257,10 @@ def gated_bwd(
         else:
             dg, du = reference.geglu_backward(gate, up, dy, _approx(activation), compute_dtype=torch.float32)
         return dg.to(gate.dtype), du.to(up.dtype)
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    dgate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    dup = torch.empty_like(up, memory_format=torch.contiguous_format)
     if dgate.numel():
-        n = gate.shape[-1]
-        _launch_gated_bwd(
-            rows_view(gate), rows_view(up), rows_view(dy), dgate.view(-1, n), dup.view(-1, n), activation, traced
-        )
+        _launch_gated_bwd(gate, up, dy, dgate, dup, activation, traced)
     return dgate, dup
 
 
@@ -193,43 +273,29 @@ def gated_packed_bwd(x: torch.Tensor, dy: torch.Tensor, activation: str, traced:
     """Launcher: dx (..., 2 * d) = [dgate | dup], both halves written into one buffer."""
     if runtime.backend(x) == "reference":
         return torch.cat(gated_bwd(*_split(x), dy, activation), dim=-1)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if dx.numel():
-        gate, up = _split(x)
-        dgate, dup = _split(dx.view(-1, x.shape[-1]))
-        _launch_gated_bwd(rows_view(gate), rows_view(up), rows_view(dy), dgate, dup, activation, traced)
+        _launch_gated_bwd(*_split(x), dy, *_split(dx), activation, traced)
     return dx
 
 
 def _launch_bias_gelu_fwd(
-    x2: torch.Tensor, bias: torch.Tensor, out2: torch.Tensor, activation: str, traced: bool = False
+    x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, activation: str, traced: bool = False
 ) -> None:
-    n_rows, n_cols = out2.shape
-    args = (x2, bias, out2, n_rows, n_cols, x2.stride(0), out2.stride(0))
-    _launch_tiles(_bias_gelu_fwd_kernel, args, n_rows, n_cols, activation, traced, BIAS_GELU_TILE_ELEMENTS)
+    """out = gelu(x + bias); x and out (..., N), bias (N,), one dtype, not empty."""
+    tensors, (launch, ints) = _recipe(_bias_gelu_fwd_recipe, (x, bias, out), activation, traced)
+    launch(*tensors, *ints)
 
 
 def _launch_bias_gelu_bwd(
-    x2: torch.Tensor, bias: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, activation: str, traced: bool = False
+    x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, activation: str, traced: bool = False
 ) -> torch.Tensor:
-    """Writes dx2 and returns dbias (bias.dtype), the float32 column sums of dx."""
-    n_rows, n_cols = dx2.shape
-    if dx2.numel() == 0:
+    """Writes dx (..., N) and returns dbias (bias.dtype), the float32 column sums of dx."""
+    if dx.numel() == 0:
         return torch.zeros_like(bias)
-    block_m, block_n = _blocks(n_rows, n_cols, BIAS_GRAD_TILE_ELEMENTS)
-    col_blocks = runtime.cdiv(n_cols, block_n)
-    device = dx2.device
-    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * runtime.sm_count(device), col_blocks)
-    chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
-    rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
-    chunks = runtime.cdiv(n_rows, rows_per_program)
-    partials = torch.empty((chunks, n_cols), dtype=torch.float32, device=device)
-    runtime.launchable(_bias_gelu_bwd_kernel, traced)[(chunks, col_blocks)](
-        x2, bias, dy2, dx2, partials, n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0),
-        rows_per_program,
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=BIAS_GRAD_STAGES,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    tensors, (launch, ints, partials_shape) = _recipe(_bias_gelu_bwd_recipe, (x, bias, dy, dx), activation, traced)
+    partials = torch.empty(partials_shape, dtype=torch.float32, device=dx.device)
+    launch(*tensors, partials, *ints)
     return partial_sums.sum_partials(partials, bias.dtype, traced)
 
 
@@ -237,9 +303,9 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, activation: str, traced: 
     """Launcher: gelu(x + bias), x (..., N), bias (N,); activation "gelu" or "gelu_tanh"."""
     if runtime.backend(x) == "reference":
         return reference.bias_gelu(x, bias, _approx(activation), compute_dtype=torch.float32).to(x.dtype)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel():
-        _launch_bias_gelu_fwd(rows_view(x), bias, out.view(-1, x.shape[-1]), activation, traced)
+        _launch_bias_gelu_fwd(x, bias, out, activation, traced)
     return out
 
 
@@ -250,11 +316,8 @@ def bias_gelu_bwd(
     if runtime.backend(x) == "reference":
         dx, db = reference.bias_gelu_backward(x, bias, dy, _approx(activation), compute_dtype=torch.float32)
         return dx.to(x.dtype), db.to(bias.dtype)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if dx.numel() == 0:
-        return dx, torch.zeros_like(bias)
-    n = x.shape[-1]
-    return dx, _launch_bias_gelu_bwd(rows_view(x), bias, rows_view(dy), dx.view(-1, n), activation, traced)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, _launch_bias_gelu_bwd(x, bias, dy, dx, activation, traced)
 
 
 # torch.library registration: what torch.compile sees.
@@ -321,20 +384,24 @@ _bias_gelu_fwd_op.register_autograd(
 class _LauncherFunction(torch.autograd.Function):
     """Eager autograd: the launchers the registered ops run, without custom-op dispatch.
 
-    apply(fwd, bwd, *tensors, activation): the output of fwd(*tensors, activation); backward
-    through bwd(*tensors, dy, activation) (see `_input_grads`).
+    apply(fwd, bwd, activation, *tensors): the output of fwd(*tensors, activation); backward
+    through bwd(*tensors, dy, activation), which returns the tensors' gradients (one tensor, or
+    a tuple when there are several). The activation comes first so that the tensors are saved
+    and their gradients returned without repacking (the backward's host time bounds mid-sized
+    calls).
     """
 
     @staticmethod
-    def forward(ctx, fwd, bwd, *inputs):
-        ctx.bwd = bwd
-        _save_inputs(ctx, inputs, None)
-        return fwd(*inputs)
+    def forward(ctx, fwd, bwd, activation, *tensors):
+        ctx.bwd, ctx.activation = bwd, activation
+        ctx.save_for_backward(*tensors)
+        return fwd(*tensors, activation)
 
     @staticmethod
     def backward(ctx, dy):
         runtime.check_first_order_backward("kernel_lab.mlp")
-        return None, None, *_input_grads(ctx.bwd, ctx, dy)
+        grads = ctx.bwd(*ctx.saved_tensors, dy, ctx.activation)
+        return (None, None, None, *grads) if type(grads) is tuple else (None, None, None, grads)
 
 
 # Checks and public ops.
@@ -378,7 +445,7 @@ def _gated(name: str, gate, up, activation: str, backend: str | None) -> torch.T
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_gated_fwd(gate, up, activation)
     if _needs_grad(gate, up):
-        return _LauncherFunction.apply(gated_fwd, gated_bwd, gate, up, activation)
+        return _LauncherFunction.apply(gated_fwd, gated_bwd, activation, gate, up)
     return gated_fwd(gate, up, activation)
 
 
@@ -392,7 +459,7 @@ def _gated_packed(name: str, x, activation: str, backend: str | None) -> torch.T
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_gated_packed_fwd(x, activation)
     if _needs_grad(x):
-        return _LauncherFunction.apply(gated_packed_fwd, gated_packed_bwd, x, activation)
+        return _LauncherFunction.apply(gated_packed_fwd, gated_packed_bwd, activation, x)
     return gated_packed_fwd(x, activation)
 
 
@@ -470,5 +537,5 @@ def bias_gelu(
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.mlp_bias_gelu_fwd(x, bias, activation)
     if _needs_grad(x, bias):
-        return _LauncherFunction.apply(bias_gelu_fwd, bias_gelu_bwd, x, bias, activation)
+        return _LauncherFunction.apply(bias_gelu_fwd, bias_gelu_bwd, activation, x, bias)
     return bias_gelu_fwd(x, bias, activation)
