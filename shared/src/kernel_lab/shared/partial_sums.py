@@ -63,7 +63,9 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = Fals
         # and the integer specialisations, the addresses' alignment the pointers'. A backward
         # calls this on the autograd engine's device thread, where host work costs about twice
         # what it costs on the caller's thread.
-        plan = (partials.device, partials.shape, dtype, partials.data_ptr() % 16, out.data_ptr() % 16)
+        # (none when traced: torch.compile traces with fake tensors, which have no address)
+        plan = None if traced else (partials.device, partials.shape, dtype, partials.data_ptr() % 16,
+                                    out.data_ptr() % 16)
         runtime.launchable(_sum_partials_kernel, traced, plan)[(runtime.cdiv(n_cols, BLOCK_N),)](
             partials, out, n_rows, n_cols, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )  # fmt: skip
