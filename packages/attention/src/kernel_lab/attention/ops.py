@@ -202,6 +202,18 @@ def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return t.shape[0], t.shape[2], t.shape[1]
 
 
+def _problem(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+             layout: str) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, rows_q, rows_k) of a launch: with varlen
+    the batch is the number of packed sequences and rows_q / rows_k the longest ones
+    (max_seqlen_*), otherwise the tensors' token dims."""
+    batch, n_heads, seqlen_q = _dims(q, layout)
+    _, n_kv_heads, seqlen_k = _dims(k, layout)
+    if layout == "varlen":
+        return cu_seqlens_q.shape[0] - 1, n_heads, n_kv_heads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k
+    return batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, seqlen_q, seqlen_k
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     """The kernels read rows of D contiguous elements; any other stride is free."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -289,11 +301,7 @@ def _fwd_recipe(plan, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q: int, masked
     descriptors), out, lse, cu_seqlens_q, cu_seqlens_k, the integers, left, right and
     scale * log2(e)."""
     varlen = layout == "varlen"
-    batch, n_heads, seqlen_q = _dims(q, layout)
-    _, n_kv_heads, seqlen_k = _dims(k, layout)
-    if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-    rows_q = max_seqlen_q if varlen else seqlen_q
+    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, rows_q, _ = _problem(q, k, cu_seqlens_q, max_seqlen_q, 0, layout)
     head_dim = q.shape[-1]
     # (the size test first: it is free, and small calls are where host time counts)
     use_tma = batch * n_heads * rows_q * seqlen_k * head_dim >= TMA_MIN_WORK and _use_tma(q, k, v, layout)
@@ -417,12 +425,8 @@ def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, max
     A launch is `kernel[grid]` with its compile-time arguments bound; a call passes the tensors,
     the integers, then left, right, scale and scale * log2(e)."""
     varlen = layout == "varlen"
-    batch, n_heads, seqlen_q = _dims(q, layout)
-    _, n_kv_heads, seqlen_k = _dims(k, layout)
-    if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-    rows_q = max_seqlen_q if varlen else seqlen_q
-    rows_k = max_seqlen_k if varlen else seqlen_k
+    batch, n_heads, n_kv_heads, seqlen_q, seqlen_k, rows_q, rows_k = _problem(q, k, cu_seqlens_q, max_seqlen_q,
+                                                                              max_seqlen_k, layout)
     if dk.numel() > 0 and (dq.numel() == 0 or rows_q == 0):
         return None, (), None, (), True
     if dq.numel() == 0:
