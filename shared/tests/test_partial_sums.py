@@ -1,4 +1,5 @@
-"""partial_sums.sum_partials: column sums of float32 partials, cast to the gradient's dtype."""
+"""partial_sums: column sums of float32 partials, cast to the gradient's dtype, by a second launch
+(sum_partials) or by the last program of the kernel that writes them (sum_if_last, workspace)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_lab.shared import partial_sums  # (after the importorskip: it needs triton)
+import triton  # (after the importorskip, as is partial_sums, which needs triton)
+import triton.language as tl
+
+from kernel_lab.shared import partial_sums
 
 
 @pytest.mark.interpret
@@ -49,3 +53,70 @@ def test_sum_partials_large_on_gpu(seed):
     # bf16: the float32 sum's own rounding may move the cast by one bf16 ulp (2**-8 relative)
     torch.testing.assert_close(partial_sums.sum_partials(partials, torch.bfloat16).double(),
                                exact.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-2)
+
+
+@triton.jit
+def _write_then_sum_kernel(src_ptr, partial_ptr, out_ptr, arrivals_ptr, n_parts, n_cols,
+                           BLOCK_N: tl.constexpr, SUM_ROWS: tl.constexpr):
+    """Program (i, j) stores row i of src's column block j as its partial row, then sum_if_last
+    (one counter per column block), as a backward kernel's epilogue does."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(0).to(tl.int64) * n_cols
+    tl.store(partial_ptr + row + cols, tl.load(src_ptr + row + cols, mask=cols < n_cols), mask=cols < n_cols)
+    partial_sums.sum_if_last(partial_ptr, out_ptr, arrivals_ptr + tl.program_id(1), n_parts, n_cols, cols, SUM_ROWS)
+
+
+def _fused_sums(src: torch.Tensor, dtype: torch.dtype, block_n: int = 64, sum_rows: int = 4):
+    """(column sums of src by _write_then_sum_kernel, the arrival counters after the launch)."""
+    n_parts, n_cols = src.shape
+    groups = triton.cdiv(n_cols, block_n)
+    partials, arrivals = partial_sums.workspace(src.device, n_parts, n_cols, groups)
+    out = torch.empty(n_cols, dtype=dtype, device=src.device)
+    _write_then_sum_kernel[(n_parts, groups)](src, partials, out, arrivals, n_parts, n_cols, BLOCK_N=block_n,
+                                              SUM_ROWS=sum_rows)
+    return out, arrivals
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("n_parts, n_cols", [(1, 1), (7, 65), (33, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_if_last_matches_float64_sums_and_rearms_its_counters(kernel_device, seed, n_parts, n_cols, dtype):
+    """Parts not a multiple of SUM_ROWS, columns with a masked tail block; the budget as for
+    sum_partials. The counters are back at zero after the launch, ready for the next."""
+    gen = torch.Generator(kernel_device).manual_seed(seed)
+    src = torch.randn((n_parts, n_cols), device=kernel_device, generator=gen)
+    out, arrivals = _fused_sums(src, dtype)
+    exact = src.double().sum(0)
+    budget = n_parts * torch.finfo(torch.float32).eps * src.double().abs().sum(0) + exact.abs() * torch.finfo(dtype).eps
+    assert (out.double() - exact).abs().le(budget).all(), f"{(out.double() - exact).abs().max()} > budget"
+    assert not arrivals.any()
+
+
+@pytest.mark.gpu
+def test_workspace_is_kept_per_stream_and_reused(seed):
+    """Consecutive launches on one stream share the workspace (and get equal, deterministic
+    sums); another stream gets its own; a graph capture gets fresh buffers and its replays
+    give the eager result."""
+    partial_sums.release_workspaces()
+    gen = torch.Generator("cuda").manual_seed(seed)
+    src = torch.randn((300, 5000), device="cuda", generator=gen)
+    first, arrivals = _fused_sums(src, torch.float32)
+    again, arrivals_again = _fused_sums(src, torch.float32)
+    assert arrivals_again.data_ptr() == arrivals.data_ptr() and not arrivals.any()
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first.double(), src.double().sum(0), rtol=1e-5, atol=1e-4)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side, side_arrivals = _fused_sums(src, torch.float32)
+    torch.cuda.current_stream().wait_stream(side)
+    assert side_arrivals.data_ptr() != arrivals.data_ptr() and torch.equal(on_side, first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, graph_arrivals = _fused_sums(src, torch.float32)
+    assert graph_arrivals.data_ptr() not in (arrivals.data_ptr(), side_arrivals.data_ptr())
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+    partial_sums.release_workspaces()

@@ -139,6 +139,42 @@ def test_bias_gelu_kernels_write_every_element_of_poisoned_outputs(kernel_device
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("fused", [True, False], ids=["sum-in-kernel", "sum-partials"])
+def test_bias_gelu_bias_grad_both_ways_match_reference(kernel_device, seed, fused, monkeypatch):
+    """The eager backward adds its partial sums up in the kernel (partial_sums.sum_if_last) up to
+    BIAS_GRAD_FUSED_MAX_ELEMENTS and with sum_partials above: both, over several chunks and
+    column blocks, twice in a row (the second call reuses the recipe and, on a GPU, the
+    workspace: its counters must have been re-armed)."""
+    monkeypatch.setattr(ops, "_RECIPES", {})
+    monkeypatch.setattr(ops, "BIAS_GRAD_FUSED_MAX_ELEMENTS", 1 << 40 if fused else 0)
+    # one row more in one of the two: on a GPU the launchers' plans outlive _RECIPES, and equal
+    # shapes would name the two different launches with one plan key
+    x = randn(300 + fused, 1100, dtype=torch.float32, device=kernel_device, seed=seed, scale=2.0)
+    bias = randn(1100, dtype=torch.float32, device=kernel_device, seed=seed + 1)
+    for _ in range(2):
+        _check(x, bias, "none", seed)
+    (_, (_, _, (chunks, _), counters)), = (v for k, v in ops._RECIPES.items() if k[0] is ops._bias_gelu_bwd_recipe)
+    assert chunks > 1 and counters == (2 if fused else 0)
+
+
+@pytest.mark.gpu
+def test_bias_gelu_fused_bias_grad_under_cuda_graph_capture(seed):
+    """A captured eager backward (fresh workspace in the graph's pool) replays to the result of
+    the same backward run eagerly (the kept workspace), bit for bit."""
+    x = randn(1000, 3000, dtype=torch.bfloat16, device="cuda", seed=seed)
+    bias = randn(3000, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    dy = randn(1000, 3000, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    eager_dx, eager_db = ops.bias_gelu_bwd(x, bias, dy, "gelu")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dx, db = ops.bias_gelu_bwd(x, bias, dy, "gelu")
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(dx, eager_dx) and torch.equal(db, eager_db)
+
+
+@pytest.mark.interpret
 def test_bias_gelu_zero_rows_give_zero_bias_grad(kernel_device):
     x = torch.empty(0, 9, device=kernel_device, requires_grad=True)
     bias = torch.randn(9, device=kernel_device, requires_grad=True)

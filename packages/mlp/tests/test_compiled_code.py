@@ -30,7 +30,7 @@ def test_rerun_without_interpreter():
 
 
 POINTERS = {n: "*bf16" for n in ("x_ptr", "bias_ptr", "out_ptr", "dy_ptr", "dx_ptr", "gate_ptr", "up_ptr")}
-POINTERS["dbias_part_ptr"] = "*fp32"
+POINTERS |= {"dbias_part_ptr": "*fp32", "dbias_ptr": "*bf16", "arrivals_ptr": "*i32"}
 # Llama-3-8B's intermediate size and a prefill's worth of rows: the tile the launcher picks there.
 ROWS, COLS = 16384, 14336
 
@@ -41,8 +41,9 @@ def _instructions_per_element(kernel_name: str, tile_elements: int) -> float:
     block_m, block_n = ops._blocks(ROWS, COLS, tile_elements)
     # The backward's row loop is counted unpipelined (STAGES=1): pipelining changes how its loads
     # are issued, not the math per element, and its fill and drain code would swamp this static
-    # count.
-    loop = dict(STAGES=1) if kernel_name == "_bias_gelu_bwd_kernel" else {}
+    # count. Likewise without the fused bias-gradient sum, which runs once per program after the
+    # loop, not per element.
+    loop = dict(STAGES=1, FUSED_SUM=False, SUM_ROWS=4) if kernel_name == "_bias_gelu_bwd_kernel" else {}
     compiled = testing.compile_for_sm90(
         getattr(_kernels, kernel_name), POINTERS,
         dict(ACTIVATION=_kernels.GELU, BLOCK_M=block_m, BLOCK_N=block_n) | loop,

@@ -1,15 +1,22 @@
-"""sum_partials: the last step of a parameter gradient reduced across rows, as one Triton launch.
+"""The last step of a parameter gradient reduced across rows: partial sums added up.
 
 A backward kernel that needs a per-feature gradient (a norm's dweight and dbias, a bias_gelu's
 dbias) cannot sum over every row in one program, so each of its programs writes its own float32
-partial sums and this kernel adds them up:
+partial sums, which are then added up:
 
     partials (n_programs, n_cols) float32  ->  gradient (n_cols,) in the parameter's dtype
 
-The sum and the cast in one pass, in a fixed order (the same result every run). It replaces
-`partial.sum(0).to(dtype)`: two torch ops, and on the lent H200 host each op costs about as
-much host time as a whole Triton launch, in a backward whose host path (not the GPU) bounds
-mid-sized rows under `torch.autograd.grad`.
+Two ways, both in a fixed order (the same result every run):
+- `sum_partials`: one more Triton launch after the kernel. It replaces `partial.sum(0).to(dtype)`:
+  two torch ops, and on the lent H200 host each op costs about as much host time as a whole
+  Triton launch, in a backward whose host path (not the GPU) bounds mid-sized rows under
+  `torch.autograd.grad`.
+- `sum_if_last` (a `triton.jit` helper) inside the kernel itself: the program that finishes
+  last adds the partials up, so the backward is one launch. It needs a zeroed int32 arrival
+  counter per group of programs; `workspace` keeps the partials and counters of each CUDA
+  stream between launches, so a repeated backward allocates neither. The price is a serial
+  tail on the GPU (one program adds all rows of its columns after the others are done): worth it
+  where the host, not the GPU, bounds the backward.
 
 Needs triton (a kernel package's dependency); `kernel_lab.shared` itself does not import it.
 """
@@ -70,3 +77,64 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = Fals
             partials, out, n_rows, n_cols, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def sum_if_last(partial_ptr, out_ptr, arrivals_ptr, n_parts, n_cols, cols, SUM_ROWS: tl.constexpr):
+    """The fused `sum_partials` of one group of columns, for a kernel whose `n_parts` programs
+    each write one row of float32 partial sums at `cols` (a vector of column indices) of
+    `partial_ptr` ((n_parts, n_cols), contiguous). Every one of those programs calls this after
+    storing its row; the one that arrives last (counted on `arrivals_ptr`, an int32 that is zero
+    before the launch) adds the n_parts rows, SUM_ROWS at a time in a fixed order, stores the
+    sums cast to out_ptr's dtype at out_ptr + cols, and sets the counter back to zero for the
+    next launch on the stream.
+
+    Ordering: the barrier puts every thread's partial stores before the arrival, whose release
+    (acq_rel, GPU scope) publishes them; the last program's acquire makes them visible to its
+    loads, which bypass L1 (.cg) so that no stale line is read."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_parts - 1:
+        col_mask = cols < n_cols
+        acc = tl.zeros([SUM_ROWS, cols.shape[0]], tl.float32)
+        for start in tl.range(0, n_parts, SUM_ROWS, num_stages=3):
+            rows = start + tl.arange(0, SUM_ROWS)
+            mask = (rows < n_parts)[:, None] & col_mask[None, :]
+            acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0,
+                           cache_modifier=".cg")
+        tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+        tl.atomic_xchg(arrivals_ptr, 0)
+
+
+# Per (device, stream): (partials, arrivals). Kernels of one stream run one after another, so
+# consecutive launches on it can share one buffer; launches on other streams get their own.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(device: torch.device, n_parts: int, n_cols: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, arrivals) for one launch of a kernel that calls `sum_if_last`: partials a flat
+    float32 tensor of at least n_parts * n_cols elements (contents undefined; the kernel reads
+    it as (n_parts, n_cols) rows), arrivals at least n_groups int32 zeros (one counter per group
+    of columns).
+
+    On a CUDA device both are buffers kept for the current stream and reused by the next launch
+    on it (`sum_if_last` leaves the counters at zero), grown as needed; they stay allocated (a
+    few MB at most) until `release_workspaces()`. While the stream captures a CUDA graph they are
+    fresh instead (the graph's pool owns them and the zeroing is captured with the kernel), and
+    so on the CPU (interpreter)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return (torch.empty(n_parts * n_cols, dtype=torch.float32, device=device),
+                torch.zeros(n_groups, dtype=torch.int32, device=device))
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    held = _WORKSPACES.get(key)
+    if held is None or held[0].numel() < n_parts * n_cols or held[1].numel() < n_groups:
+        size = max(n_parts * n_cols, 0 if held is None else held[0].numel())
+        groups = max(n_groups, 0 if held is None else held[1].numel())
+        held = _WORKSPACES[key] = (torch.empty(size, dtype=torch.float32, device=device),
+                                   torch.zeros(groups, dtype=torch.int32, device=device))
+    return held
+
+
+def release_workspaces() -> None:
+    """Drop the buffers `workspace` keeps (they return to torch's caching allocator)."""
+    _WORKSPACES.clear()

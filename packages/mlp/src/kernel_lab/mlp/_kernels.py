@@ -16,6 +16,8 @@ SILU, GELU (exact erf form) or GELU_TANH (the tanh approximation).
 import triton
 import triton.language as tl
 
+from kernel_lab.shared.partial_sums import sum_if_last
+
 SILU: tl.constexpr = tl.constexpr(0)
 GELU: tl.constexpr = tl.constexpr(1)
 GELU_TANH: tl.constexpr = tl.constexpr(2)
@@ -219,6 +221,8 @@ def _bias_gelu_bwd_kernel(
     dy_ptr,
     dx_ptr,
     dbias_part_ptr,
+    dbias_ptr,  # FUSED_SUM only, as is arrivals_ptr
+    arrivals_ptr,
     M,
     N,
     stride_x,  # row strides in elements, one per tensor
@@ -229,13 +233,17 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the row loop
+    FUSED_SUM: tl.constexpr,
+    SUM_ROWS: tl.constexpr,  # partial rows per step of the fused sum
 ):
     """dx = dy * gelu'(x + bias) and this chunk's column sums of dx.
 
     Program (i, j) walks rows [i * ROWS_PER_PROGRAM, (i + 1) * ROWS_PER_PROGRAM) of column
     block j, keeping the running column sum in float32 registers, and writes it to row i of
-    the (n_chunks, N) float32 partials; the launcher adds the few partial rows. A fixed chunk
-    order makes dbias deterministic (no atomics).
+    the (n_chunks, N) float32 partials. Then either the launcher adds the partial rows
+    (sum_partials), or, FUSED_SUM, the chunk of column block j that finishes last adds them and
+    writes dbias[block j] (sum_if_last; arrivals_ptr holds one zeroed counter per column
+    block). Either way in a fixed order: dbias is deterministic.
     """
     row_start = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,3 +260,5 @@ def _bias_gelu_bwd_kernel(
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         acc += tl.sum(dx, axis=0)
     tl.store(dbias_part_ptr + tl.program_id(0).to(tl.int64) * N + cols, acc, mask=col_mask)
+    if FUSED_SUM:
+        sum_if_last(dbias_part_ptr, dbias_ptr, arrivals_ptr + tl.program_id(1), tl.num_programs(0), N, cols, SUM_ROWS)

@@ -66,6 +66,21 @@ BIAS_GELU_TILE_ELEMENTS = 2048
 BIAS_GRAD_TILE_ELEMENTS = 2048
 BIAS_GRAD_PROGRAMS_PER_SM = 16
 BIAS_GRAD_STAGES = 2
+# Eager bias_gelu backwards of up to BIAS_GRAD_FUSED_MAX_ELEMENTS add their partial sums up in
+# the kernel (partial_sums.sum_if_last) and take the partials from partial_sums.workspace: one
+# launch and one allocation fewer than kernel + sum_partials. Under autograd that host work runs
+# on the engine's device thread, and at these sizes it, not the GPU, set the time (H200, bf16
+# 4096 x 11008: kernel + sum about 82 us of GPU time against about 130 us per call back to
+# back). The fused sum has a serial tail (the last chunk of a column block adds all its
+# partials), shortest with few chunks: BIAS_GRAD_FUSED_PROGRAMS_PER_SM programs per SM,
+# BIAS_GRAD_FUSED_STAGES deep (76 us of GPU time at 4096 x 11008 against 82 for the unfused
+# pair; at 8192 x 18944 and 16384 x 14336, where the GPU sets the time, it was 4-5% slower than
+# the pair, which therefore stays above the threshold and under torch.compile).
+BIAS_GRAD_FUSED_MAX_ELEMENTS = 1 << 26
+BIAS_GRAD_FUSED_PROGRAMS_PER_SM = 4
+BIAS_GRAD_FUSED_STAGES = 3
+# Partial elements per step of the fused sum: 4096 float32 over 4 warps, 32 per thread.
+BIAS_GRAD_SUM_ELEMENTS = 4096
 
 
 def _blocks(n_rows: int, n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
@@ -195,24 +210,30 @@ def _bias_gelu_fwd_recipe(read: tuple, activation: str, traced: bool, plan) -> t
 
 
 def _bias_gelu_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
-    """(launch, integers, shape of the float32 partial sums, passed between the tensors and the
-    integers): programs over chunks of rows x column blocks, about BIAS_GRAD_PROGRAMS_PER_SM per
-    SM; each writes its chunk's column sums of dx to its row of the partials."""
+    """(launch, integers, (chunks, N), counters), passed the tensors, the float32 partial sums,
+    dbias and the arrival counters (the last two unused unless fused), then the integers:
+    programs over chunks of rows x column blocks, each writing its chunk's column sums of dx to
+    its row of the partials. Fused (eager, at most BIAS_GRAD_FUSED_MAX_ELEMENTS), the kernel also
+    adds them up, with one arrival counter per column block: counters is their number, 0 when
+    the sum is left to sum_partials."""
     x2, _, dy2, dx2 = read
     n_rows, n_cols = x2.shape
+    fused = not traced and n_rows * n_cols <= BIAS_GRAD_FUSED_MAX_ELEMENTS
+    per_sm, stages = ((BIAS_GRAD_FUSED_PROGRAMS_PER_SM, BIAS_GRAD_FUSED_STAGES) if fused
+                      else (BIAS_GRAD_PROGRAMS_PER_SM, BIAS_GRAD_STAGES))
     block_m, block_n = _blocks(n_rows, n_cols, BIAS_GRAD_TILE_ELEMENTS)
     col_blocks = runtime.cdiv(n_cols, block_n)
-    chunks = runtime.cdiv(BIAS_GRAD_PROGRAMS_PER_SM * runtime.sm_count(x2.device), col_blocks)
+    chunks = runtime.cdiv(per_sm * runtime.sm_count(x2.device), col_blocks)
     chunks = max(1, min(chunks, runtime.cdiv(n_rows, block_m)))
     rows_per_program = runtime.cdiv(runtime.cdiv(n_rows, chunks), block_m) * block_m
     chunks = runtime.cdiv(n_rows, rows_per_program)
     launch = partial(
         runtime.launchable(_bias_gelu_bwd_kernel, traced, plan)[(chunks, col_blocks)],
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=BIAS_GRAD_STAGES,
-        num_warps=NUM_WARPS,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSED_SUM=fused,
+        SUM_ROWS=max(1, BIAS_GRAD_SUM_ELEMENTS // block_n), num_warps=NUM_WARPS,
     )  # fmt: skip
     ints = (n_rows, n_cols, x2.stride(0), dy2.stride(0), dx2.stride(0), rows_per_program)
-    return launch, ints, (chunks, n_cols)
+    return launch, ints, (chunks, n_cols), col_blocks if fused else 0
 
 
 def _launch_gated_fwd(
@@ -293,9 +314,15 @@ def _launch_bias_gelu_bwd(
     """Writes dx (..., N) and returns dbias (bias.dtype), the float32 column sums of dx."""
     if dx.numel() == 0:
         return torch.zeros_like(bias)
-    tensors, (launch, ints, partials_shape) = _recipe(_bias_gelu_bwd_recipe, (x, bias, dy, dx), activation, traced)
-    partials = torch.empty(partials_shape, dtype=torch.float32, device=dx.device)
-    launch(*tensors, partials, *ints)
+    tensors, (launch, ints, (chunks, n_cols), counters) = _recipe(
+        _bias_gelu_bwd_recipe, (x, bias, dy, dx), activation, traced)
+    if counters:
+        dbias = torch.empty(n_cols, dtype=bias.dtype, device=dx.device)
+        partials, arrivals = partial_sums.workspace(dx.device, chunks, n_cols, counters)
+        launch(*tensors, partials, dbias, arrivals, *ints)
+        return dbias
+    partials = torch.empty((chunks, n_cols), dtype=torch.float32, device=dx.device)
+    launch(*tensors, partials, partials, partials, *ints)  # partials stand in for the unused dbias and counters
     return partial_sums.sum_partials(partials, bias.dtype, traced)
 
 
