@@ -82,6 +82,14 @@ LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
 # H200 (bf16, 2**26 elements) 8 warps were faster than 16 and 32 at both 16384 and 8192
 # columns. RMSNorm, with fewer live values (32 registers at 32 warps), keeps the heuristic.
 LAYER_NORM_FWD_MAX_WARPS = 8
+# Values a thread of the one-tile RMSNorm forward (no residual, no gate) at rows of at least
+# RMS_FWD_WIDE_COLS columns: 64, i.e. 4 warps at 8192 columns and 8 at 16384, where the row-tile
+# heuristic gives 16 (16 and 32 warps). Sweep on an H200 (bf16, 2**26 elements, 4 to 64 values a
+# thread, 1 to 16 rows a program): 67.0 against 68.5 us at 8192 x 8192 and 68.9 against 70.7 us
+# at 4096 x 16384; at 2048 and 4096 columns the heuristic's tiles were already the fastest.
+# (The residual and gated variants hold more per value and were not swept: they keep it.)
+RMS_FWD_WIDE_COLS = 8192
+RMS_FWD_WIDE_VALUES_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -244,10 +252,13 @@ def _rms_fwd_recipe(x2, r2, z2, weight, *, traced: bool = False, plan: tuple | N
     n_rows, n_cols = x2.shape
     t = _fwd_tile(n_rows, n_cols, RMS_LOOP)
     grid = _fwd_grid(t, n_rows, x2.device, RMS_LOOP)
+    num_warps = t.num_warps
+    if t.one_tile and n_cols >= RMS_FWD_WIDE_COLS and r2 is None and z2 is None:
+        num_warps = max(4, t.block_m * t.block_n // (32 * RMS_FWD_WIDE_VALUES_PER_THREAD))
     launch = functools.partial(
         runtime.launchable(_rms_norm_fwd_kernel, traced, plan)[grid],
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=r2 is not None, HAS_GATE=z2 is not None,
-        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=num_warps,
     )
     # y and u are fresh and contiguous: rows n_cols apart
     strides = (x2.stride(0), (x2 if r2 is None else r2).stride(0), (x2 if z2 is None else z2).stride(0),
