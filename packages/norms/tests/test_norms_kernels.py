@@ -82,6 +82,16 @@ def test_rms_norm_gated_matches_reference(dtype, shape, kernel_device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op, shape", [("rms_norm_gated", (3, 4100)), ("rms_norm", (3, 8200))])
+def test_rms_norm_forward_tiles_past_the_heuristic_match_reference(op, shape, kernel_device, seed):
+    """The tiles chosen over the row-tile heuristic's (ops._rms_fwd_one_tile): the gated
+    forward's two-row programs, here with a masked second row in the last program, and the plain
+    forward's 64 values a thread, here with a masked column tail."""
+    inputs = make_inputs(op, shape, torch.float32, kernel_device, seed)
+    check_op(op, inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 37), (2, 3, 130)])
 @pytest.mark.parametrize("affine", [True, False])

@@ -87,9 +87,14 @@ LAYER_NORM_FWD_MAX_WARPS = 8
 # heuristic gives 16 (16 and 32 warps). Sweep on an H200 (bf16, 2**26 elements, 4 to 64 values a
 # thread, 1 to 16 rows a program): 67.0 against 68.5 us at 8192 x 8192 and 68.9 against 70.7 us
 # at 4096 x 16384; at 2048 and 4096 columns the heuristic's tiles were already the fastest.
-# (The residual and gated variants hold more per value and were not swept: they keep it.)
 RMS_FWD_WIDE_COLS = 8192
 RMS_FWD_WIDE_VALUES_PER_THREAD = 64
+# The gated forward (reads x and gate) at rows of 4096 to 8192 columns: two rows a program over
+# 16 warps. Same sweep: 100.4 against 110.7 us at 16384 x 4096 (the heuristic's one row over 8
+# warps) and 103.1 against 107.7 us at 8192 x 8192 (one row, 16 warps). The residual variant's
+# tiles were within 1% of the best there and keep the heuristic.
+GATED_FWD_TWO_ROW_COLS = (4096, 8192)
+GATED_FWD_TWO_ROW_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -245,20 +250,32 @@ def rms_norm_fwd(
     return y, u, rstd
 
 
+def _rms_fwd_one_tile(t: _Tile, n_rows: int, gated: bool, residual: bool) -> _Tile:
+    """The one-tile RMSNorm forward's tile: the row-tile heuristic's, except where H200 sweeps
+    found faster ones (RMS_FWD_WIDE_* for the plain variant, GATED_FWD_TWO_ROW_* for the gated)."""
+    if gated:
+        lo, hi = GATED_FWD_TWO_ROW_COLS
+        if lo <= t.block_n <= hi and n_rows >= 2:
+            return _Tile(True, 2, t.block_n, GATED_FWD_TWO_ROW_WARPS)
+    elif not residual and t.block_n >= RMS_FWD_WIDE_COLS:
+        return _Tile(True, t.block_m, t.block_n,
+                     max(4, t.block_m * t.block_n // (32 * RMS_FWD_WIDE_VALUES_PER_THREAD)))
+    return t
+
+
 def _rms_fwd_recipe(x2, r2, z2, weight, *, traced: bool = False, plan: tuple | None = None) -> tuple:
     """What `rms_norm_fwd` launches for these shapes: (launch, row strides). The launch is the
     kernel indexed with its grid, its constexprs bound; a call passes the tensors, n_rows,
     n_cols, eps, offset, then the strides."""
     n_rows, n_cols = x2.shape
     t = _fwd_tile(n_rows, n_cols, RMS_LOOP)
+    if t.one_tile:
+        t = _rms_fwd_one_tile(t, n_rows, gated=z2 is not None, residual=r2 is not None)
     grid = _fwd_grid(t, n_rows, x2.device, RMS_LOOP)
-    num_warps = t.num_warps
-    if t.one_tile and n_cols >= RMS_FWD_WIDE_COLS and r2 is None and z2 is None:
-        num_warps = max(4, t.block_m * t.block_n // (32 * RMS_FWD_WIDE_VALUES_PER_THREAD))
     launch = functools.partial(
         runtime.launchable(_rms_norm_fwd_kernel, traced, plan)[grid],
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=r2 is not None, HAS_GATE=z2 is not None,
-        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=num_warps,
+        ONE_TILE=t.one_tile, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
     )
     # y and u are fresh and contiguous: rows n_cols apart
     strides = (x2.stride(0), (x2 if r2 is None else r2).stride(0), (x2 if z2 is None else z2).stride(0),
