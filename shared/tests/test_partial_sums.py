@@ -120,3 +120,16 @@ def test_workspace_is_kept_per_stream_and_reused(seed):
         torch.cuda.synchronize()
         assert torch.equal(captured, first)
     partial_sums.release_workspaces()
+
+
+@pytest.mark.gpu
+def test_workspaces_are_dropped_past_the_cap(monkeypatch):
+    """At most MAX_WORKSPACES streams keep a workspace: a new one past that drops them all."""
+    monkeypatch.setattr(partial_sums, "MAX_WORKSPACES", 2)
+    partial_sums.release_workspaces()
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for i, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            partial_sums.workspace(torch.device("cuda", torch.cuda.current_device()), 4, 8, 1)
+        assert len(partial_sums._WORKSPACES) == (i + 1 if i < 2 else 1)
+    partial_sums.release_workspaces()

@@ -107,8 +107,13 @@ def sum_if_last(partial_ptr, out_ptr, arrivals_ptr, n_parts, n_cols, cols, SUM_R
 
 
 # Per (device, stream): (partials, arrivals). Kernels of one stream run one after another, so
-# consecutive launches on it can share one buffer; launches on other streams get their own.
+# consecutive launches on it can share one buffer; launches on other streams get their own. At
+# most MAX_WORKSPACES are kept (torch's stream pools recycle a few dozen handles per device, but
+# external streams are unbounded): past that all are dropped, as launch plans are. A dropped
+# buffer still in use by a queued kernel is safe: the caching allocator reuses a freed block only
+# for work queued after it on the stream it was allocated on.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+MAX_WORKSPACES = 64
 
 
 def workspace(device: torch.device, n_parts: int, n_cols: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +135,8 @@ def workspace(device: torch.device, n_parts: int, n_cols: int, n_groups: int) ->
     if held is None or held[0].numel() < n_parts * n_cols or held[1].numel() < n_groups:
         size = max(n_parts * n_cols, 0 if held is None else held[0].numel())
         groups = max(n_groups, 0 if held is None else held[1].numel())
+        if held is None and len(_WORKSPACES) >= MAX_WORKSPACES:
+            _WORKSPACES.clear()
         held = _WORKSPACES[key] = (torch.empty(size, dtype=torch.float32, device=device),
                                    torch.zeros(groups, dtype=torch.int32, device=device))
     return held
