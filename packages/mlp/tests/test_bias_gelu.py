@@ -139,6 +139,22 @@ def test_bias_gelu_kernels_write_every_element_of_poisoned_outputs(kernel_device
 
 
 @pytest.mark.interpret
+def test_bias_gelu_forward_row_blocks_beyond_grid_axis_1(kernel_device, seed, monkeypatch):
+    """Row blocks past MAX_GRID_Y go to grid axis 2 (CUDA allows 65535 programs on axis 1): with
+    the limit patched to 4, 23 rows of 2-row tiles need 12 row blocks, 3 x 4 programs over axes
+    2 and 1; every row is written once (poisoned output), none twice or past the end."""
+    monkeypatch.setattr(ops, "_RECIPES", {})
+    monkeypatch.setattr(ops, "MAX_GRID_Y", 4)
+    m, n = 23, 1031  # a shape of its own: on a GPU launch plans outlive _RECIPES
+    x = randn(m, n, device=kernel_device, seed=seed, scale=2.0)
+    bias = randn(n, device=kernel_device, seed=seed + 1)
+    out = poisoned(m, n, dtype=torch.float32, device=kernel_device)
+    assert ops._blocks(m, n, ops.BIAS_GELU_TILE_ELEMENTS)[0] == 2  # the tiles the docstring counts
+    ops._launch_bias_gelu_fwd(x, bias, out, "gelu")
+    assert_close_to_reference(out, reference.bias_gelu(x, bias), F.gelu(x + bias), name="y")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("fused", [True, False], ids=["sum-in-kernel", "sum-partials"])
 def test_bias_gelu_bias_grad_both_ways_match_reference(kernel_device, seed, fused, monkeypatch):
     """The eager backward adds its partial sums up in the kernel (partial_sums.sum_if_last) up to

@@ -60,8 +60,9 @@ def _instructions_per_element(kernel_name: str, tile_elements: int) -> float:
         # the issue budget (libdevice's erf: about 39; the erfc fit with `1 / d`: about 32, at
         # the budget; with rsqrt: 27; with ERFC16_P: 23 over 4096-element tiles). The launcher's
         # tiles are 2048 elements since mlp 0.1.4 (faster on an H200): the kernel's prologue then
-        # spreads over 16 elements a thread instead of 32, 24.1 per element, hence 25.
-        ("_bias_gelu_fwd_kernel", "BIAS_GELU_TILE_ELEMENTS", 25),
+        # spreads over 16 elements a thread instead of 32, 24.1 per element; with the 2-D grid
+        # and 32-bit offsets inside the tile (mlp 0.1.9, no division of the program id) 22.4.
+        ("_bias_gelu_fwd_kernel", "BIAS_GELU_TILE_ELEMENTS", 23),
         # backward, 6 B per element and a column sum: under its budget of about 48 (erf: 53;
         # erfc with `1 / d`: about 42; rsqrt: 37; ERFC16_P: 33). Counted over 4096-element
         # steps, which spread the loop's prologue thin; the launcher's 1024-element steps run

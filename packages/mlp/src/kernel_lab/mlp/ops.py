@@ -56,6 +56,8 @@ FLAT_BLOCK, FLAT_NUM_WARPS = 4096, 8
 # (H200, bf16, 4096 x 11008 to 16384 x 14336; tiles of 2048-16384 elements, 4-16 warps): the
 # fastest at all three shapes, 4-8% ahead of the 4096-element tiles used before.
 BIAS_GELU_TILE_ELEMENTS = 2048
+# Programs a launch may have along grid axis 1 (CUDA's limit; axis 0's is 2**31 - 1).
+MAX_GRID_Y = 65535
 # bias_gelu backward: BIAS_GRAD_PROGRAMS_PER_SM programs per SM, each walking a chunk of rows
 # in steps of BIAS_GRAD_TILE_ELEMENTS (two rows of 1024 columns) with a float32 column sum live,
 # the loop software-pipelined BIAS_GRAD_STAGES deep so that each program keeps the next steps'
@@ -202,11 +204,23 @@ def _gated_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple
 
 
 def _bias_gelu_fwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
+    """(launch, integers) over BLOCK_M x BLOCK_N tiles: column blocks on grid axis 0, row blocks
+    on axes 1 and 2 (axis 1 holds at most MAX_GRID_Y). The kernel's in-tile offsets are 32-bit:
+    rows whose BLOCK_M - 1 strides reach 2**31 elements get one-row tiles."""
     x2, _, out2 = read
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), out2.stride(0))
-    return _tiles(_bias_gelu_fwd_kernel, n_rows, n_cols, strides, activation, traced, plan,
-                  tile_elements=BIAS_GELU_TILE_ELEMENTS)
+    block_m, block_n = _blocks(n_rows, n_cols, BIAS_GELU_TILE_ELEMENTS)
+    if (block_m - 1) * max(strides) + n_cols >= 2**31:
+        block_m = 1
+    row_blocks = runtime.cdiv(n_rows, block_m)
+    grid_z = runtime.cdiv(row_blocks, MAX_GRID_Y)
+    grid = (runtime.cdiv(n_cols, block_n), runtime.cdiv(row_blocks, grid_z), grid_z)
+    launch = partial(
+        runtime.launchable(_bias_gelu_fwd_kernel, traced, plan)[grid],
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return launch, (n_rows, n_cols, *strides)
 
 
 def _bias_gelu_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
