@@ -31,6 +31,8 @@ def test_rerun_without_interpreter():
 
 POINTERS = {n: "*bf16" for n in ("x_ptr", "bias_ptr", "out_ptr", "dy_ptr", "dx_ptr", "gate_ptr", "up_ptr")}
 POINTERS |= {"dbias_part_ptr": "*fp32", "dbias_ptr": "*bf16", "arrivals_ptr": "*i32"}
+# Row strides at ROWS x COLS fit 32 bits, and Triton passes such Python ints as i32.
+POINTERS |= {f"stride_{t}": "i32" for t in ("x", "out", "dy", "dx", "gate", "up", "dgate", "dup")}
 # Llama-3-8B's intermediate size and a prefill's worth of rows: the tile the launcher picks there.
 ROWS, COLS = 16384, 14336
 
@@ -44,6 +46,8 @@ def _instructions_per_element(kernel_name: str, tile_elements: int) -> float:
     # count. Likewise without the fused bias-gradient sum, which runs once per program after the
     # loop, not per element.
     loop = dict(STAGES=1, FUSED_SUM=False, SUM_ROWS=4) if kernel_name == "_bias_gelu_bwd_kernel" else {}
+    if kernel_name == "_bias_gelu_fwd_kernel":
+        loop = dict(OFFSETS_64=False)  # 32-bit offsets, as the launcher picks at this size
     compiled = testing.compile_for_sm90(
         getattr(_kernels, kernel_name), POINTERS,
         dict(ACTIVATION=_kernels.GELU, BLOCK_M=block_m, BLOCK_N=block_n) | loop,
@@ -61,7 +65,7 @@ def _instructions_per_element(kernel_name: str, tile_elements: int) -> float:
         # the budget; with rsqrt: 27; with ERFC16_P: 23 over 4096-element tiles). The launcher's
         # tiles are 2048 elements since mlp 0.1.4 (faster on an H200): the kernel's prologue then
         # spreads over 16 elements a thread instead of 32, 24.1 per element; with the 2-D grid
-        # and 32-bit offsets inside the tile (mlp 0.1.9, no division of the program id) 22.4.
+        # and 32-bit offsets (mlp 0.1.9: no division of the program id, no 64-bit offsets) 22.6.
         ("_bias_gelu_fwd_kernel", "BIAS_GELU_TILE_ELEMENTS", 23),
         # backward, 6 B per element and a column sum: under its budget of about 48 (erf: 53;
         # erfc with `1 / d`: about 42; rsqrt: 37; ERFC16_P: 33). Counted over 4096-element

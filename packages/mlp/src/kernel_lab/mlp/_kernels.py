@@ -3,8 +3,8 @@
 Every kernel here is element-wise (plus one column reduction for the bias gradient), so each
 is bound by memory traffic: the only goal is to read every input once and write every output
 once, in wide vector accesses. One program covers a BLOCK_M x BLOCK_N tile; row offsets are
-64-bit (or the tile's first row is, see the bias_gelu forward) so tensors beyond 2**31 elements
-cannot wrap. Rows have their own stride per tensor,
+64-bit so tensors beyond 2**31 elements cannot wrap (the bias_gelu forward's only where they
+must be). Rows have their own stride per tensor,
 which is how padded rows and the two halves of a packed [gate | up] tensor are read in place;
 contiguous tensors come as one row of numel elements (the launcher's flat tiles).
 
@@ -206,28 +206,28 @@ def _bias_gelu_fwd_kernel(
     ACTIVATION: tl.constexpr,  # GELU or GELU_TANH
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OFFSETS_64: tl.constexpr,  # some element lies 2**31 or more elements past its tensor's start
 ):
     """out = gelu(x + bias); bias is one row, broadcast over the BLOCK_M rows of the tile.
 
     Grid: axis 0 the column blocks, axes 1 and 2 the row blocks (row block = axis 2 x the
-    programs of axis 1 + axis 1, so more than axis 1's 65535 fit). Unlike `_tile`, no division
-    of the program id and no 64-bit offset per element: the tile's first row moves the pointers
-    (one 64-bit product per program) and the offsets inside the tile are 32-bit (the launcher
-    keeps BLOCK_M x the row strides below 2**31). The exact GELU leaves this kernel few spare
-    issue slots per element, and that address arithmetic cost 5% of its bandwidth on an H200
-    (bf16, 4096 x 11008 to 16384 x 14336: 89-97% of copy bandwidth with `_tile`, 95-101%
-    without).
+    programs of axis 1 + axis 1, so more than axis 1's 65535 fit). Unlike `_tile`: no division
+    of the program id, and 32-bit offsets unless OFFSETS_64. The exact GELU leaves this kernel
+    few spare issue slots per element, and 64-bit offsets (per element or only for the tile's
+    first row alike) cost 5-7% of its bandwidth on an H200 (bf16, 4096 x 11008 and
+    16384 x 14336: 49.2 / 237.3 us against 45.9 / 223.6 with 32-bit offsets).
     """
-    row0 = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
+    row_block = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if OFFSETS_64:
+        rows = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    else:
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M - row0)[:, None] & (cols < N)[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
     b = tl.load(bias_ptr + cols, mask=cols < N).to(tl.float32)
-    x_tile = x_ptr + row0 * stride_x
-    x = tl.load(x_tile + rows[:, None] * stride_x + cols[None, :], mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask).to(tl.float32)
     y = _activation(x + b[None, :], ACTIVATION, out_ptr.dtype.element_ty == tl.float32)
-    out_tile = out_ptr + row0 * stride_out
-    tl.store(out_tile + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

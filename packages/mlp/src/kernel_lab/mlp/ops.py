@@ -58,6 +58,8 @@ FLAT_BLOCK, FLAT_NUM_WARPS = 4096, 8
 BIAS_GELU_TILE_ELEMENTS = 2048
 # Programs a launch may have along grid axis 1 (CUDA's limit; axis 0's is 2**31 - 1).
 MAX_GRID_Y = 65535
+# Offsets from a tensor's start up to which the bias_gelu forward computes them in 32 bits.
+MAX_OFFSET_32 = 2**31
 # bias_gelu backward: BIAS_GRAD_PROGRAMS_PER_SM programs per SM, each walking a chunk of rows
 # in steps of BIAS_GRAD_TILE_ELEMENTS (two rows of 1024 columns) with a float32 column sum live,
 # the loop software-pipelined BIAS_GRAD_STAGES deep so that each program keeps the next steps'
@@ -205,20 +207,21 @@ def _gated_bwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple
 
 def _bias_gelu_fwd_recipe(read: tuple, activation: str, traced: bool, plan) -> tuple:
     """(launch, integers) over BLOCK_M x BLOCK_N tiles: column blocks on grid axis 0, row blocks
-    on axes 1 and 2 (axis 1 holds at most MAX_GRID_Y). The kernel's in-tile offsets are 32-bit:
-    rows whose BLOCK_M - 1 strides reach 2**31 elements get one-row tiles."""
+    on axes 1 and 2 (axis 1 holds at most MAX_GRID_Y); 64-bit offsets only for tensors that
+    need them."""
     x2, _, out2 = read
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), out2.stride(0))
     block_m, block_n = _blocks(n_rows, n_cols, BIAS_GELU_TILE_ELEMENTS)
-    if (block_m - 1) * max(strides) + n_cols >= 2**31:
-        block_m = 1
     row_blocks = runtime.cdiv(n_rows, block_m)
     grid_z = runtime.cdiv(row_blocks, MAX_GRID_Y)
     grid = (runtime.cdiv(n_cols, block_n), runtime.cdiv(row_blocks, grid_z), grid_z)
+    # bounds every offset computed, the masked rows of the last tile's included
+    offsets_64 = (row_blocks * block_m - 1) * max(strides) + n_cols >= MAX_OFFSET_32
     launch = partial(
         runtime.launchable(_bias_gelu_fwd_kernel, traced, plan)[grid],
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, OFFSETS_64=offsets_64,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return launch, (n_rows, n_cols, *strides)
 
