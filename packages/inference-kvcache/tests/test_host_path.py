@@ -150,6 +150,7 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     monkeypatch.setattr(kv_ops, "_TUNED", {})
     monkeypatch.setattr(kv_ops._decode_split_kernel, "fn", _FakeJit(kv_ops._decode_split_kernel.fn, log, "split"))
     monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
+    monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
     for s in range(3):
@@ -163,9 +164,9 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
         return [(how, name, grid, _described(params)) for how, name, grid, params in log]
 
     first = launches(q)
-    assert [x[:2] for x in first] == [("jit", "split")]  # the splits merge themselves: one launch
+    assert [x[:2] for x in first] == [("jit", "split"), ("jit", "merge")]
     again = launches(q.clone())
-    assert [x[:2] for x in again] == [("direct", "split")]
+    assert [x[:2] for x in again] == [("direct", "split"), ("direct", "merge")]
     assert [x[2:] for x in again] == [x[2:] for x in first]
     # Anything the JIT specializes on that the fingerprint does not pin goes through it again:
     # a q that is not 16-byte aligned, other q strides, other seq_ids, another num_splits.
@@ -177,7 +178,7 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     assert launches(q, seq_ids=[2, 1, 0])[0][0] == "jit"
     assert launches(q, seq_ids=[2, 1, 0])[0][0] == "direct"
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
-    assert [x[0] for x in launches(q)] == ["jit"]
+    assert [x[0] for x in launches(q)] == ["jit", "jit"]
 
 
 @pytest.mark.gpu

@@ -1,5 +1,4 @@
-"""Triton kernels of kernel_lab.inference_kvcache: cache append, split-K decode (its splits merged
-by the last of them to finish).
+"""Triton kernels of kernel_lab.inference_kvcache: cache append, split-K decode, split merge.
 
 One addressing scheme serves both caches. A paged pool is (num_blocks, PAGE_SIZE, H, D) and
 token t of a sequence lives in block block_table[row, t // PAGE_SIZE] at slot t % PAGE_SIZE.
@@ -199,9 +198,7 @@ def _decode_split_kernel(
     k_scale_ptr, v_scale_ptr,  # (H_kv,) float32 (QUANT)
     out_ptr,  # (B, T_q, H_q, D) final output, written when NUM_SPLITS == 1
     stride_ob, stride_ot, stride_oh, stride_od,
-    part_ptr, lse_offset,  # fp32 (B, H_q, T_q, NUM_SPLITS, D) outputs of the splits, then at
-                           # part_ptr + lse_offset their (B, H_q, T_q, NUM_SPLITS) logsumexps (SPLIT)
-    arrivals_ptr,  # (grid axis 0,) int32, zero at launch: splits finished per program row (SPLIT)
+    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32 and (B, H_q, T_q, NUM_SPLITS)
     qk_scale,  # softmax scale * log2(e): exp2 below instead of exp
     H_KV, T_Q, GROUP, NUM_M_TILES, NUM_SPLITS,
     len_bucket, work_bucket,  # autotune keys only: log2 of the split length, 2 log2 of the programs
@@ -289,23 +286,10 @@ def _decode_split_kernel(
         o = o * tl.load(v_scale_ptr + kvh)
     if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        row_parts = ((b * (H_KV * GROUP) + h) * T_Q + t) * NUM_SPLITS  # this tile's rows, split 0
-        lse_ptr = part_ptr + lse_offset
-        tl.store(lse_ptr + row_parts + split, lse, mask=mask_m)
-        tl.store(part_ptr + (row_parts + split)[:, None] * HEAD_DIM + offs_d[None, :], o,
+        part = ((b * (H_KV * GROUP) + h) * T_Q + t) * NUM_SPLITS + split
+        tl.store(lse_part_ptr + part, lse, mask=mask_m)
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_m[:, None] & mask_d[None, :])
-        # The last split of this (b, kv head, m tile) to finish merges all of them: no second
-        # launch. Ordering as in partial_sums.sum_if_last: the barrier puts every thread's
-        # stores before the arrival, whose release (acq_rel, GPU scope) publishes them; the
-        # last program's acquire makes the other splits' stores visible to its loads, which
-        # bypass L1 (.cg). It re-arms the counter for the next launch on the stream.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            _merge_splits(part_ptr, lse_ptr, row_parts, mask_m, mask_d, offs_d, NUM_SPLITS,
-                          out_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
-                          + offs_d[None, :] * stride_od, HEAD_DIM, BLOCK_M, BLOCK_D)
-            tl.atomic_xchg(arrivals_ptr + pid, 0)
     else:
         tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
                  + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
@@ -313,25 +297,27 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, row_parts, mask_m, mask_d, offs_d, NUM_SPLITS, out_ptrs,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_s 2^lse_s o_s / sum_s 2^lse_s over the splits s of the BLOCK_M rows whose split-0
-    partials are at row_parts: one pass in split order (the same order whichever split merges),
-    rescaling as the running maximum of lse grows. A row with no key in any split (all lse
-    -inf) gets 0."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, NUM_SPLITS):
-        lse_s = tl.load(lse_ptr + row_parts + s, mask=mask_m, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(part_ptr + (row_parts + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from -inf - -inf
-        alpha = tl.exp2(m - m_ref)
-        w = tl.exp2(lse_s - m_ref)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        denom = denom * alpha + w
-        m = m_new
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+def _decode_merge_kernel(
+    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32, (B, H_q, T_q, NUM_SPLITS)
+    out_ptr, stride_ob, stride_ot, stride_oh, stride_od,  # (B, T_q, H_q, D)
+    H_Q, T_Q, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (b, head, query token): the logsumexp-weighted mean of its splits,
+    # o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid % T_Q
+    h = (pid // T_Q) % H_Q
+    b = pid // (T_Q * H_Q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(lse_part_ptr + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (no keys): all 0
+    denom = tl.sum(w, 0)
+    o = tl.load(o_part_ptr + (pid * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

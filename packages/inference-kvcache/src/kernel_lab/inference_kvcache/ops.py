@@ -17,9 +17,9 @@ import os
 import torch
 from torch.library import custom_op
 
-from kernel_lab.shared import partial_sums, reference, runtime
+from kernel_lab.shared import reference, runtime
 
-from ._kernels import _decode_split_kernel, _kv_append_kernel
+from ._kernels import _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
 
 try:
     from triton import knobs as _knobs
@@ -504,6 +504,8 @@ class _DecodePlan:
         "h_kv",
         "lse_numel",
         "m_tiles",
+        "merge_grid",
+        "merge_meta",
         "meta",
         "part_numel",
         "split",
@@ -526,6 +528,7 @@ class _DecodePlan:
         self.part_numel = bsz * h_q * t_q * num_splits * d
         self.lse_numel = bsz * h_q * t_q * num_splits
         self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
+        self.merge_grid = (bsz * h_q * t_q, 1, 1)
         # Autotune keys: the split length as a power of two and the number of programs in
         # half-octave steps, so a 128k-token single sequence and a batch of 64 short ones may
         # pick different tiles, and so may 264 and 392 programs (2 and 3 per SM of an H200).
@@ -538,6 +541,8 @@ class _DecodePlan:
             "QUANT": c.quant, "FP16_MMA": c.quant and dtype == torch.bfloat16, "SPLIT": self.split,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         }
+        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": runtime.next_power_of_2(d),
+                           "BLOCK_S": runtime.next_power_of_2(num_splits), "num_warps": 4}
         # Everything the autotuner's key is made of (its key arguments and the dtypes of the
         # tensor arguments), and more: the config it picks for this key is reused (_launch_tuned).
         self.tune_key = (d, block_m, c.paged, c.quant, len_bucket, work_bucket, dtype, c.dtype, has_seq_ids,
@@ -584,7 +589,7 @@ def _compiled(ret):
 
 
 class _DirectLaunch:
-    """The compiled split kernel of one decode fingerprint, launched directly.
+    """The compiled split (and merge) kernels of one decode fingerprint, launched directly.
 
     JITFunction.run binds and specializes its ~40 arguments, builds its cache key (str() of
     the options) and reads the device, stream and knobs on every launch: CPU work on the host
@@ -597,10 +602,10 @@ class _DirectLaunch:
     it with the same arguments (all parameters in signature order, constexprs included).
     """
 
-    __slots__ = ("split", "split_tail")
+    __slots__ = ("merge", "merge_tail", "split", "split_tail")
 
-    def __init__(self, split, split_tail) -> None:
-        self.split, self.split_tail = split, split_tail
+    def __init__(self, split, split_tail, merge, merge_tail) -> None:
+        self.split, self.split_tail, self.merge, self.merge_tail = split, split_tail, merge, merge_tail
 
 
 def _tail(jit_fn, n_args: int, values: dict) -> tuple:
@@ -630,11 +635,10 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
     if plan.split:
-        # o and lse of every split, then one arrival counter per program row; the last split of
-        # a row merges (see _decode_split_kernel). A per-stream workspace, not an allocation.
-        part, arrivals = partial_sums.workspace(c.device, 1, plan.part_numel + plan.lse_numel, plan.grid[0])
+        o_part = torch.empty(plan.part_numel, dtype=torch.float32, device=c.device)
+        lse_part = torch.empty(plan.lse_numel, dtype=torch.float32, device=c.device)
     else:
-        part, arrivals = out, c.lengths  # never touched: SPLIT is a constexpr
+        o_part = lse_part = out  # never touched: SPLIT is a constexpr
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
         q, *q_strides,
@@ -646,28 +650,36 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         c.k_scale if c.quant else dummy,
         c.v_scale if c.quant else dummy,
         out, *out_strides,
-        part, plan.part_numel, arrivals,
+        o_part, lse_part,
         scale * LOG2E,
         plan.h_kv, plan.t_q, plan.group, plan.m_tiles, num_splits,
     )
+    merge_args = (o_part, lse_part, out, *out_strides, shape[-2], plan.t_q, num_splits)
     fingerprint = None
     if DIRECT_LAUNCH and c.is_cuda:
         fingerprint = (
             plan, torch.cuda.current_device(), q_strides, q.data_ptr() & 15,
             seq_ids.data_ptr() & 15 if seq_ids is not None else -1,
-            out.data_ptr() & 15, part.data_ptr() & 15, arrivals.data_ptr() & 15,
+            out.data_ptr() & 15, o_part.data_ptr() & 15, lse_part.data_ptr() & 15,
             _knobs.runtime.debug, _knobs.compilation.instrumentation_mode,
         )
         direct = c._launches.get(fingerprint)
         if direct is not None:
             direct.split[plan.grid](*args, *direct.split_tail)
+            if plan.split:
+                direct.merge[plan.merge_grid](*merge_args, *direct.merge_tail)
             return out
     split_k = _compiled(_launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta))
-    if fingerprint is not None and split_k is not None:
+    merge_k = None
+    if plan.split:
+        merge_k = _compiled(_decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta))
+    if fingerprint is not None and split_k is not None and (merge_k is not None or not plan.split):
         jit_split = _decode_split_kernel.fn
-        if not jit_split.pre_run_hooks:
+        if not jit_split.pre_run_hooks and not _decode_merge_kernel.pre_run_hooks:
             cfg = _TUNED[plan.tune_key]
-            c._launches[fingerprint] = _DirectLaunch(split_k, _tail(jit_split, len(args), {**plan.meta, **cfg}))
+            split_tail = _tail(jit_split, len(args), {**plan.meta, **cfg})
+            merge_tail = _tail(_decode_merge_kernel, len(merge_args), plan.merge_meta) if plan.split else ()
+            c._launches[fingerprint] = _DirectLaunch(split_k, split_tail, merge_k, merge_tail)
     return out
 
 
