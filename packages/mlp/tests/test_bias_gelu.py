@@ -143,8 +143,8 @@ def test_bias_gelu_kernels_write_every_element_of_poisoned_outputs(kernel_device
 def test_bias_gelu_forward_row_blocks_beyond_grid_axis_1(kernel_device, seed, offsets, monkeypatch):
     """Row blocks past MAX_GRID_Y go to grid axis 2 (CUDA allows 65535 programs on axis 1): with
     the limit patched to 4, 23 rows of 2-row tiles need 12 row blocks, 3 x 4 programs over axes
-    2 and 1; every row is written once (poisoned output), none twice or past the end. With 32-
-    and 64-bit offsets (the latter, for tensors past 2**31 elements, forced by the threshold)."""
+    2 and 1; every element of the NaN-poisoned output must come out right. With 32- and 64-bit
+    offsets (the latter, for tensors past 2**31 elements, forced by the threshold)."""
     monkeypatch.setattr(ops, "_RECIPES", {})
     monkeypatch.setattr(ops, "MAX_GRID_Y", 4)
     monkeypatch.setattr(ops, "MAX_OFFSET_32", 2**31 if offsets == 32 else 0)

@@ -4,9 +4,9 @@ Every kernel here is element-wise (plus one column reduction for the bias gradie
 is bound by memory traffic: the only goal is to read every input once and write every output
 once, in wide vector accesses. One program covers a BLOCK_M x BLOCK_N tile; row offsets are
 64-bit so tensors beyond 2**31 elements cannot wrap (the bias_gelu forward's only where they
-must be). Rows have their own stride per tensor,
-which is how padded rows and the two halves of a packed [gate | up] tensor are read in place;
-contiguous tensors come as one row of numel elements (the launcher's flat tiles).
+must be). Rows have their own stride per tensor, which is how padded rows and the two halves
+of a packed [gate | up] tensor are read in place; contiguous tensors come as one row of numel
+elements (the launcher's flat tiles).
 
 Math is float32 whatever the storage dtype, with a single rounding on the store.
 
