@@ -17,7 +17,7 @@ import os
 import torch
 from torch.library import custom_op
 
-from kernel_lab.shared import partial_sums, reference, runtime
+from kernel_lab.shared import reference, runtime
 
 from ._kernels import _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
 
@@ -635,10 +635,8 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
     if plan.split:
-        # The splits' outputs and logsumexps, read back by the merge: scratch from the per-stream
-        # workspace (one dict lookup) rather than two allocations per decode step.
-        part, _ = partial_sums.workspace(c.device, 1, plan.part_numel + plan.lse_numel, 0)
-        o_part, lse_part = part, part[plan.part_numel:]
+        o_part = torch.empty(plan.part_numel, dtype=torch.float32, device=c.device)
+        lse_part = torch.empty(plan.lse_numel, dtype=torch.float32, device=c.device)
     else:
         o_part = lse_part = out  # never touched: SPLIT is a constexpr
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
