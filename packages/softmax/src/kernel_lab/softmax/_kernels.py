@@ -4,17 +4,19 @@ Four shapes of work, forward and backward alike:
 
 - `*_rows_kernel`: a row fits in registers (n_cols <= MAX_FUSED_COLS in ops.py). One program
   takes BLOCK_M whole rows: one read, one write, the minimum traffic.
-- `*_coop_kernel` (CUDA only): a row too long for one program's registers is cut into chunks
-  that do fit, one program per chunk, and the programs of a row cooperate: each publishes its
-  chunk's statistics, waits until all chunks of its row have, merges them and writes its chunk
-  from the registers it loaded it into. One read, one write, whatever the row length, in one
-  launch. Waiting on another program is only safe if that program is running or will surely
-  run: programs take their (row, chunk) from a ticket counter (an atomic increment at start),
-  so every ticket below ours belongs to a program already running, and a row's chunks are
-  consecutive tickets. Rows whose chunks all hold tickets finish and free their SMs, so the
-  one partly started row always gets the rest of its programs as long as a row has no more
-  chunks than the GPU has SMs (ops.py enforces it). The interpreter runs programs one after
-  another, where a wait would never end: it takes the next two paths instead.
+- `*_coop_kernel` (CUDA only): a row too long for one program's registers is cut into chunks,
+  one program per chunk, and the programs of a row cooperate: each publishes its chunk's
+  statistics, waits until all chunks of its row have, merges them and writes its chunk. The
+  backward holds its chunk in registers from load to store; the forward reads its chunk twice,
+  keeping the lines in L2 on the first read (evict_last) so that the second read comes from L2:
+  one read of HBM and one write, whatever the row length, in one launch. Waiting on another
+  program is only safe if that program is running or will surely run: programs take their
+  (row, chunk) from a ticket counter (an atomic increment at start), so every ticket below ours
+  belongs to a program already running, and a row's chunks are consecutive tickets. Rows whose
+  chunks all hold tickets finish and free their SMs, so the one partly started row always gets
+  the rest of its programs as long as a row has no more chunks than the GPU has SMs (ops.py
+  enforces it). The interpreter runs programs one after another, where a wait would never end:
+  it takes the next two paths instead.
 - `*_looped_kernel`: a row too long for the cooperative kernel, many rows. One program per row
   loops over it twice (statistics, then output): the row is read twice, 1.5x the minimum traffic.
 - `*_partial_kernel` + `*_split_kernel`: the same with too few rows to fill the GPU. Each row is
@@ -38,13 +40,14 @@ def _safe_shift(m):
 
 
 @triton.jit
-def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr):
-    """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1]."""
+def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr = ""):
+    """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1].
+    EVICTION: the loads' L2 eviction policy ("evict_last": the row is read again soon)."""
     m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
-        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = _safe_shift(m_new)
         # rescale the sum so far to the new max, then add this chunk
@@ -54,20 +57,23 @@ def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _write_normalized(x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum."""
+def _write_normalized(
+    x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr = ""
+):
+    """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum.
+    EVICTION: the L2 eviction policy of its loads and stores ("evict_first": last use)."""
     shift = _safe_shift(m)
     inv_s = tl.where(s > 0, 1.0 / s, 0.0)
     log_s = tl.log(s)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
-        x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
         if LOG:
             y = tl.where(s > 0, x - shift - log_s, float("-inf"))
         else:
             y = tl.exp(x - shift) * inv_s
-        tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -127,9 +133,11 @@ def _coop_ticket(sync_ptr, n_splits):
 def _coop_arrive_and_wait(sync_ptr, row, n_splits):
     """Count this program in for `row`, then wait until all n_splits programs of the row are.
 
-    release: our chunk statistics are visible before the count; acquire: theirs before we read.
+    The barrier puts every thread's statistics stores before the count (whichever thread holds
+    them), whose release makes them visible with it; acquire: theirs before we read.
     """
     counter = sync_ptr + 1 + row
+    tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="release") + 1
     while arrived < n_splits:
         arrived = tl.atomic_add(counter, 0, sem="acquire")
@@ -143,29 +151,26 @@ def _softmax_fwd_coop_kernel(
     n_rows, n_cols, stride_x_row, stride_y_row,
     n_splits,
     LOG: tl.constexpr,
-    CHUNK: tl.constexpr,  # columns per program, held in registers from load to store
+    CHUNK: tl.constexpr,  # columns per program
+    BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
 ):
     max_ptr = _coop_stats(sync_ptr, n_rows, n_splits, 0)
     sum_ptr = _coop_stats(sync_ptr, n_rows, n_splits, 1)
     row, split = _coop_ticket(sync_ptr, n_splits)
-    cols = split * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    chunk_max = tl.max(x, axis=0)
-    e = tl.exp(x - _safe_shift(chunk_max))
-    part = row * n_splits + split
-    tl.store(max_ptr + part, chunk_max)
-    tl.store(sum_ptr + part, tl.sum(e, axis=0))
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n_cols)
+    x_row_ptr = x_ptr + row * stride_x_row
+    # The chunk is read twice: the wait between the passes is what the chunk's lines spend in L2
+    # (evict_last), and the second pass is their last use (evict_first).
+    m, s = _chunk_max_sumexp(x_row_ptr, start, end, BLOCK_N, EVICTION="evict_last")
+    part = row * n_splits + split + tl.arange(0, 1)
+    tl.store(max_ptr + part, m)
+    tl.store(sum_ptr + part, s)
     _coop_arrive_and_wait(sync_ptr, row, n_splits)
-    shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2, True)
-    if LOG:
-        y = tl.where(s > 0, x - shift - tl.log(s), float("-inf"))
-    else:
-        # exp(x - shift) / s from the exponentials already taken against the chunk's own max
-        # (a chunk with no finite entry has e == 0 and exp(-inf) == 0: no inf * 0)
-        y = e * (tl.exp(chunk_max - shift) * tl.where(s > 0, 1.0 / s, 0.0))
-    tl.store(y_ptr + row * stride_y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    shift, total = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2, True)
+    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, start, end, shift, total, LOG, BLOCK_N,
+                      EVICTION="evict_first")
 
 
 @triton.jit

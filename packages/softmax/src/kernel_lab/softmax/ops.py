@@ -44,12 +44,24 @@ BWD_MAX_FUSED_COLS = 8192
 # so that each program still moves enough bytes to hide its launch and reduction latency.
 ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
-# limit): a chunk stays in registers between its load and its store. A row may be cut into at
-# most as many chunks as the GPU has SMs (see _kernels.py), e.g. 1M columns on 132 SMs.
-# The best of chunks {4K, 8K, 16K} x {4, 8, 16} warps on 32k- to 1M-column bf16 rows on an H200;
-# keeping the chunk in bfloat16 between load and store (half the registers) was no faster, and
-# neither was taking (row, chunk) from the program id instead of the ticket.
-COOP_CHUNK = 8192
+# limit). A row may be cut into at most as many chunks as the GPU has SMs (see _kernels.py),
+# e.g. 2M columns on 132 SMs in the forward. What bounds them is the wait, not the bytes: a
+# timeline of the forward (globaltimer per phase, H200, bf16 1024 x 131072, 8192-column
+# chunks in registers) had each program live 6.8 us, of which its load took 1.9 and publishing
+# its statistics (a release atomic after the stores) 2.7, the wait 0.8 and the merge 0.6: a
+# program's registers hold its chunk through all of it, 4 to 6 programs fit an SM, and the GPU
+# ran at about 73% of copy bandwidth. The forward therefore holds no chunk: it reads its
+# COOP_CHUNK columns in COOP_BLOCK_N steps twice, the second time from L2, so a program moves
+# twice the bytes per wait in the same registers: 164 against 174 us at 1024 x 131072 bf16 and
+# 161 against 173 in fp16, level at 4096 x 32768 (H200, both kernels alternated, five rounds).
+# Tried there and slower: 64-bit statistic words polled without the release/acquire pair;
+# programs that keep a row's gang together and prefetch their next row's chunk during the wait;
+# chunks held in bfloat16 (the compiler keeps the float32 copy); 32768-column chunks.
+# The backward (y and dy: twice the bytes per column) keeps its chunk in registers from load to
+# store; reading it twice was slower there (81.7% of copy bandwidth against 83.0% at
+# 1024 x 131072). Each is the best of chunks {4K, 8K, 16K} x {4, 8, 16} warps (H200, bf16).
+COOP_CHUNK = 16384
+COOP_BLOCK_N = 8192
 COOP_NUM_WARPS = 4
 BWD_COOP_CHUNK = 8192
 BWD_COOP_NUM_WARPS = 8
@@ -176,8 +188,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         work = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
-            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            num_warps=plan.num_warps,
+            LOG=log, CHUNK=plan.chunk, BLOCK_N=min(COOP_BLOCK_N, plan.chunk),
+            SPLITS_POW2=runtime.next_power_of_2(plan.n_splits), num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
