@@ -45,8 +45,8 @@ BWD_MAX_FUSED_COLS = 8192
 ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
 # limit). A row may be cut into at most as many chunks as the GPU has SMs (see _kernels.py),
-# e.g. 2M columns on 132 SMs in the forward. What bounds them is the wait, not the bytes: a
-# timeline of the forward (globaltimer per phase, H200, bf16 1024 x 131072, 8192-column
+# e.g. 2M columns on 132 SMs in the forward. What bounds them is the synchronisation, not the
+# bytes: a timeline of the forward (globaltimer per phase, H200, bf16 1024 x 131072, 8192-column
 # chunks in registers) had each program live 6.8 us, of which its load took 1.9 and publishing
 # its statistics (a release atomic after the stores) 2.7, the wait 0.8 and the merge 0.6: a
 # program's registers hold its chunk through all of it, 4 to 6 programs fit an SM, and the GPU
@@ -61,8 +61,10 @@ ROWS_TILE = 2048
 # programs that keep a row's gang together and prefetch their next row's chunk during the wait;
 # chunks held in bfloat16 (the compiler keeps the float32 copy); 32768-column chunks.
 # The backward (y and dy: twice the bytes per column) keeps its chunk in registers from load to
-# store; reading it twice was slower there (81.7% of copy bandwidth against 83.0% at
-# 1024 x 131072). Each is the best of chunks {4K, 8K, 16K} x {4, 8, 16} warps (H200, bf16).
+# store; reading it twice was slower there (81.7% of copy bandwidth against 83.0% at 1024 x
+# 131072). Tiles, H200 bf16 sweeps: the forward's the best of chunks {8K .. 64K} x steps {4K,
+# 8K} x {4, 8} warps at 32k and 128k columns, the backward's of chunks {4K, 8K, 16K} x {4, 8,
+# 16} warps.
 COOP_CHUNK = 16384
 COOP_BLOCK_N = 8192
 COOP_NUM_WARPS = 4
