@@ -55,8 +55,8 @@ ROWS_TILE = 2048
 # twice the bytes per wait in the same registers: 164 against 174 us at 1024 x 131072 bf16 and
 # 161 against 173 in fp16, level at 4096 x 32768 (H200, both kernels alternated, five rounds).
 # The price is latency on inputs of one wave of programs (4 x 1M, 32 x 128k, 64 x 64k): 10.0 to
-# 10.7 us of GPU time against 8.9 to 9.6 (CUDA-graph replays), below the ~25 us of host time of
-# an eager call there.
+# 10.7 us of GPU time against 8.9 to 9.6 (CUDA-graph replays), where an eager call took 27 us
+# (4 x 1M and 32 x 128k in history 0063: host time, not the kernel, sets that).
 # Tried there and slower: 64-bit statistic words polled without the release/acquire pair;
 # programs that keep a row's gang together and prefetch their next row's chunk during the wait;
 # chunks held in bfloat16 (the compiler keeps the float32 copy); 32768-column chunks.
