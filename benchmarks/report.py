@@ -110,9 +110,15 @@ class GroupResult:
     def median(row: dict) -> float:
         return row["stats"]["median"]
 
+    @staticmethod
+    def ms_per_call(row: dict) -> float:
+        """Median ms of one call: a row replaying a CUDA graph of several calls per timed call
+        says how many in extra_info["calls_per_round"]."""
+        return row["stats"]["median"] * 1e3 / row["extra_info"].get("calls_per_round", 1)
+
     @property
     def ours_ms(self) -> float:
-        return self.median(self.ours) * 1e3
+        return self.ms_per_call(self.ours)
 
     @property
     def ours_impl(self) -> str:
@@ -124,15 +130,15 @@ class GroupResult:
 
     @property
     def peer_ms(self) -> float | None:
-        return self.median(self.best_peer) * 1e3 if self.best_peer else None
+        return self.ms_per_call(self.best_peer) if self.best_peer else None
 
     @property
     def x_baseline(self) -> float | None:
-        return self.median(self.baseline) / self.median(self.ours) if self.baseline else None
+        return self.ms_per_call(self.baseline) / self.ours_ms if self.baseline else None
 
     @property
     def x_peer(self) -> float | None:
-        return self.median(self.best_peer) / self.median(self.ours) if self.best_peer else None
+        return self.peer_ms / self.ours_ms if self.best_peer else None
 
     @property
     def bound(self) -> str | None:
@@ -209,8 +215,8 @@ def summarize_group(package: str, group: str, run: Run, rows: list[dict]) -> Gro
     base = [r for r in rows if r["extra_info"].get("role") == "baseline"]
     return GroupResult(
         package=package, group=group, run=run, rows=rows,
-        ours=min(ours, key=GroupResult.median),
-        best_peer=min(peers, key=GroupResult.median) if peers else None,
+        ours=min(ours, key=GroupResult.ms_per_call),
+        best_peer=min(peers, key=GroupResult.ms_per_call) if peers else None,
         baseline=base[0] if base else None,
     )
 
@@ -307,7 +313,8 @@ LEGEND = (
     "roofline side of the case (FLOP/byte above or below the run's measured matmul rate / copy "
     "bandwidth); % of measured peak: achieved GB/s over the measured copy bandwidth (BW) or "
     "TFLOP/s over the measured bf16 matmul rate (MM) of that run (fp8 rows too, so they can pass "
-    "100%). Rounds: the median length of one timed round of back-to-back calls; a round starts on "
+    "100%). ms: per call (rows timed as replays of a CUDA graph of several calls, e.g. decode, "
+    "divide by the calls in it). Rounds: the median length of one timed round of back-to-back calls; a round starts on "
     "an idle GPU, so with rounds of about 2 ms (runs before kernel-lab-shared 0.1.1) the host work "
     "of each round's first call reads as slower kernels on ops with much host work per call."
 )

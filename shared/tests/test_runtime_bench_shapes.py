@@ -50,6 +50,20 @@ def test_add_speedups_and_table():
     assert "geomean speedup over baseline 4.00x" in bench.format_table(rows)
 
 
+def test_speedups_are_per_call_when_rows_replay_several_calls():
+    """A row timing a CUDA graph of 10 calls (10 ms a replay) against one timing single calls
+    (2 ms each): 1 ms against 2 ms per call, so 2x, not 0.2x."""
+    rows = [
+        {"group": "g", "name": "torch", "stats": {"median": 2e-3}, "extra_info": {"impl": "torch", "role": "baseline"}},
+        {"group": "g", "name": "ours", "stats": {"median": 10e-3},
+         "extra_info": {"impl": "ours", "role": "kernel_lab", "calls_per_round": 10}},
+    ]
+    bench.add_speedups(rows)
+    assert rows[1]["extra_info"]["speedup"] == pytest.approx(2.0)
+    assert bench.per_call(rows[1]) == pytest.approx(1e-3)
+    assert "   1.0000 " in bench.format_table(rows)  # ms per call in the table
+
+
 def test_max_error_is_the_largest_difference_and_nan_on_a_nonfinite_mismatch():
     ref = torch.tensor([[1.0, -2.0], [3.0, float("inf")]], dtype=torch.float64)
     out = torch.tensor([[1.5, -2.0], [2.0, float("inf")]], dtype=torch.bfloat16)

@@ -57,10 +57,16 @@ CASES = {
                                       scale_a_ptr="*fp32", scale_b_ptr="*fp32"),
                dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=True, BLOCK_M=16,
                     BLOCK_N=64, BLOCK_K=256, GROUP_M=1, stride_ak=1, stride_bk=1, stride_cn=1), 4, 3),
-    "int8": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16", zeros_ptr="*u8",
-                                              c_ptr="*fp32", bias_ptr="*bf16"),
-             dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, BLOCK_M=16, BLOCK_N=64,
-                  BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 4, 4),
+    "int8-decode": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
+                                                     zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
+                    dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, BLOCK_M=16,
+                         BLOCK_N=64, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1, stride_cn=1,
+                         stride_sg=1), 4, 3),
+    "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
+                                                      zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
+                     dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=False, SWAP_AB=False,
+                          BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1,
+                          stride_cn=1, stride_sg=1), 8, 3),
 }  # fmt: skip
 
 
@@ -79,25 +85,42 @@ def test_kernel_loads_are_pipelined_async_copies(case):
 
 
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp16"])
-@pytest.mark.parametrize("num_warps", [4, 8])
-def test_int4_dequantization_stays_within_the_issue_budget(x_type, num_warps):
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n):
     """int4 decode moves half a byte per weight: at an H200's copy bandwidth (about 4.2 TB/s) that
     is 8.4e12 weights/s, or 32 per SM per cycle over 132 SMs at 1.98 GHz; with 128 lanes per SM
     about 4 instructions per weight can issue. Converting each code with I2F plus byte shuffles
-    took 9.8 per weight in the K loop (4 warps), so the loop was bound by instruction issue; the
-    magic-number form takes 5.8 (4 warps) / 6.8 (8 warps). Counted over one 128-key step of a
-    128-column tile."""
+    took 9.8 per weight in the K loop, so the loop was bound by instruction issue; the
+    magic-number form takes 5-6.5. Counted over one 128-key step of the decode kernel as the
+    launcher runs it (swapped operands, 4 warps, 64- or 128-column tiles)."""
     from kernel_lab.gemm import _kernels
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
-    constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, BLOCK_M=16, BLOCK_N=128,
-                      BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1)
-    compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, num_warps, 3)
+    constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, BLOCK_M=16,
+                      BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
+    compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, 4, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
-    weights_per_thread = 128 * 128 / (num_warps * 32)
+    weights_per_thread = block_n * 128 / (4 * 32)
     per_weight = len(loop) / weights_per_thread
-    assert not any(i.startswith("I2F") for i in loop), "codes converted one by one (I2F)"
+    # (I2F.RP is the reciprocal of the integer division by the group size, once a step)
+    assert not any(i.startswith("I2F") and not i.startswith("I2F.RP") for i in loop), "codes converted (I2F)"
     assert per_weight <= 7.5, f"{per_weight:.1f} SASS instructions per weight in the K loop (limit 7.5)"
+
+
+@pytest.mark.parametrize("has_zeros", [False, True])
+def test_int8_gemv_loop_reduces_only_after_the_loop(has_zeros):
+    """The one-row int8 kernel accumulates a (BLOCK_N, BLOCK_K) tile: its K loop has no warp
+    shuffles (a tl.sum per step would add them to every step), and it converts
+    each code once."""
+    from kernel_lab.gemm import _kernels
+
+    pointers = dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16")
+    constexprs = dict(HAS_ZEROS=has_zeros, HAS_BIAS=True, BLOCK_N=8, BLOCK_K=512, stride_xk=1, stride_qk=1)
+    compiled = compile_for_sm90(_kernels._quantized_gemv_kernel, pointers, constexprs, 8, 3)
+    loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
+    assert not any(i.startswith("SHFL") for i in loop), "a cross-thread reduction inside the K loop"
+    conversions = sum(i.startswith("I2F") for i in loop)
+    assert conversions <= 8 * 512 / (8 * 32), f"{conversions} int -> float conversions per thread and step"
 
 
 FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)

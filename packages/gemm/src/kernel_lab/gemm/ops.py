@@ -40,8 +40,9 @@ from ._kernels import (
     _matmul_tma_kernel,
     _matmul_tma_kernel_fp8,
     _matmul_tma_persistent_kernel,
+    _quantized_gemv_kernel,
+    _quantized_gemv_kernel_tuned,
     _quantized_matmul_kernel,
-    _quantized_matmul_kernel_skinny,
     _rms_norm_linear_kernel,
     _rms_norm_linear_kernel_prefill,
     _rms_norm_linear_kernel_skinny,
@@ -70,12 +71,15 @@ SKINNY_WIDE_BLOCK_N = 128
 # of programs was fastest (N 6144: split 2, N 4096: 4, N 14336: 1).
 SPLIT_PROGRAMS_PER_SM = 0.5
 SPLIT_PROGRAMS_PER_SM_WIDE = 1.0
-# The weight-only (dequantizing) kernels keep the earlier plan: split K for at least 2 programs
-# per SM, the float32 partials (written and read once) at most 1/8 of the weight's bytes. Under
-# the plan above they were up to 2.5x slower on an H200 (int4 M = 16, N 4096, K 14336: 108 us
-# against 51): unpacking codes costs instructions per weight byte, and more programs hide it.
-QUANT_SPLIT_PROGRAMS_PER_SM = 2
+# The weight-only (dequantizing) decode kernel splits K for more programs than the plan above
+# (unpacking codes costs instructions per weight byte, and more programs in flight hide it):
+# 2 per SM for int8 and 4 for int4 (H200 sweep of the swapped-operand kernel, M in {1, 16},
+# the Llama-3-8B projections: the fastest split, or within 5% of it, on every shape), the float32
+# partials (written and read once) at most 1/8 of the weight's bytes. Its tiles are 64 columns
+# wide, 128 for int4 once 64-column tiles would exceed SMs (there the wider tile was 3-8% faster).
+QUANT_SPLIT_PROGRAMS_PER_SM = {8: 2, 4: 4}
 QUANT_SPLIT_MAX_TRAFFIC = 1 / 8
+QUANT_BLOCK_N = 64
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
 SKINNY_K_ALIGN = 256
 MAX_SPLIT_K = 16
@@ -120,10 +124,10 @@ class _SkinnyPlan:
 
 def _skinny_plan(
     m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None,
-    quantized_bytes: int | None = None,
+    quantized_bytes: int | None = None, bits: int = 8,
 ) -> _SkinnyPlan:
     """BLOCK_M covering M, BLOCK_N (after M unless given), and the K split (see constants);
-    quantized_bytes: the weight's bytes, for the weight-only kernels' plan."""
+    quantized_bytes / bits: the weight's bytes and code width, for the weight-only kernel's plan."""
     interpret = device.type != "cuda"
     block_m = max(16, runtime.next_power_of_2(m))
     wide = block_m > 16
@@ -136,7 +140,7 @@ def _skinny_plan(
         # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
         split = int(sms * (SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM)) // tiles
     else:
-        split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM * sms, tiles)
+        split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM[bits] * sms, tiles)
         split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC * quantized_bytes / (2 * m * n * 4))))
     split = max(1, min(split, MAX_SPLIT_K, runtime.cdiv(k, k_align)))
     k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
@@ -323,6 +327,25 @@ def matmul_fwd(
     return c
 
 
+def _quantized_gemv(x, qdata, scales, zeros, bias, c, interpret: bool, traced: bool) -> None:
+    """c (1, N) = x (1, K) @ dequant(qdata)^T + bias for int8 codes with per-channel scales (see
+    _quantized_gemv_kernel); rows per program and warps autotuned on a GPU."""
+    n, k = qdata.shape
+    if interpret:
+        kernel, meta = _quantized_gemv_kernel, dict(BLOCK_N=8, BLOCK_K=INTERPRET_BLOCK)
+    else:
+        kernel, meta = _quantized_gemv_kernel_tuned, {}
+
+    def grid(meta):
+        return (runtime.cdiv(n, meta["BLOCK_N"]),)
+
+    runtime.launchable(kernel, traced)[grid](
+        x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias,
+        n, k, x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), c.stride(1),
+        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, **meta,
+    )
+
+
 @runtime.on_tensors_device
 def quantized_matmul_fwd(
     x: torch.Tensor,
@@ -347,34 +370,36 @@ def quantized_matmul_fwd(
     if m == 0 or n == 0:
         return c
     interpret = be == "triton-interpret"
+    if m == 1 and bits == 8 and group_size == k:
+        _quantized_gemv(x, qdata, scales, zeros, bias, c, interpret, traced)
+        return c
     grouped = group_size < k
     if interpret:
         block_k = INTERPRET_BLOCK
     else:
         # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
         block_k = min(128, group_size & -group_size) if grouped else 128
-    kernel = _quantized_matmul_kernel
-    if m <= SKINNY_MAX_M:
-        # int4 tiles are twice as wide as int8 ones so that each pipeline stage still moves 8 KiB
-        # of weight (128 x 64 int8 codes, 64 x 128 int4 bytes).
-        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=128 if bits == 4 else 64, quantized_bytes=qdata.numel())
+    decode = m <= SKINNY_MAX_M
+    if decode:  # the swapped-operand kernel (see _quantized_matmul_kernel), 4 warps, 3 stages
+        block_n = QUANT_BLOCK_N
+        if bits == 4 and runtime.cdiv(n, QUANT_BLOCK_N) > runtime.sm_count(x.device):
+            block_n = 2 * QUANT_BLOCK_N
+        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=block_n, quantized_bytes=qdata.numel(), bits=bits)
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
-        launch = {}
-        if not interpret:  # warps and stages autotuned
-            kernel = _quantized_matmul_kernel_skinny
+        launch = {} if interpret else dict(num_warps=4, num_stages=3)
     else:
         block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
         split_k, k_per_split = 1, k
         launch = {} if interpret else dict(num_warps=8, num_stages=3)
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), split_k)
-    runtime.launchable(kernel, traced)[grid](
+    runtime.launchable(_quantized_matmul_kernel, traced)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
-        m, n, k, _m_bucket(m),
+        m, n, k,
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
         ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, **launch,
+        SWAP_AB=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1 if decode else 8, **launch,
     )
     if split_k > 1:
         _reduce(ws, c, bias=bias, traced=traced)
