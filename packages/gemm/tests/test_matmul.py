@@ -129,7 +129,9 @@ def test_decode_shape_uses_split_k_under_the_interpreter_plan():
 
 # --- interpret tier: the real kernels on small odd shapes --------------------------------------
 
-SMALL_SHAPES = [(1, 31, 70), (17, 40, 45), (127, 50, 45)]  # decode + split-K, decode, prefill path
+# (1, 31, 70): the one-row GEMV with b = w.t() (b_layout "col"), split-K decode otherwise; (2, 31, 70):
+# split-K decode; then decode and the prefill path
+SMALL_SHAPES = [(1, 31, 70), (2, 31, 70), (17, 40, 45), (127, 50, 45)]
 
 
 @pytest.mark.interpret
@@ -142,7 +144,7 @@ def test_matmul_layouts_match_reference(kernel_device, seed, m, n, k, a_layout, 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
-@pytest.mark.parametrize("m", [3, 70])
+@pytest.mark.parametrize("m", [1, 3, 70])  # the GEMV, decode, prefill
 def test_matmul_bias_activation_epilogue_matches_reference(kernel_device, seed, activation, m):
     a, b = make_operands(m, 36, 40, torch.float16, kernel_device, seed, "row", "col")
     a = a * 3  # reach the activations' nonlinear range

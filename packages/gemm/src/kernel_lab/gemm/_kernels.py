@@ -347,42 +347,100 @@ def _quantized_matmul_kernel(
 
 
 @triton.jit
-def _quantized_gemv_kernel(
-    x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
-    N, K, stride_xk, stride_qn, stride_qk, stride_sn, stride_cn,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _biased_code_floats(codes, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
+    """2^23 + byte as float32 for a tile of int8 (SIGNED: byte = code + 128) or uint8 codes,
+    without an int -> float conversion: a byte in the low mantissa bits of 2^23 reads as
+    2^23 + byte exactly. USE_PRMT (a GPU, not the interpreter): one PTX byte permute per code
+    builds the float's bits from the byte and 0x4B (the top byte of 2^23), where the Triton
+    expression compiles to two logic ops (ptxas does not fuse the byte extract and the OR)."""
+    if USE_PRMT:
+        flip: tl.constexpr = "xor.b32 w, $4, 0x80808080;" if SIGNED else "mov.b32 w, $4;"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 w, m; mov.b32 m, 0x4B000000; " + flip
+            + " prmt.b32 $0, w, m, 0x7540; prmt.b32 $1, w, m, 0x7541;"
+            + " prmt.b32 $2, w, m, 0x7542; prmt.b32 $3, w, m, 0x7543; }",
+            "=r,=r,=r,=r,r", [codes], dtype=tl.float32, is_pure=True, pack=4,
+        )
+    byte = codes.to(tl.uint8, bitcast=True).to(tl.uint32)
+    if SIGNED:
+        byte ^= 0x80
+    return (byte | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scales_ptr, zeros_ptr, g_ptr, c_ptr, bias_ptr,
+    N, K, stride_xk, stride_wn, stride_wk, stride_sn, stride_cn, eps,
+    HAS_SCALES: tl.constexpr,  # int8 codes with one scale per output channel (weight-only)
+    HAS_ZEROS: tl.constexpr,  # and one uint8 zero point per channel
+    HAS_NORM: tl.constexpr,  # rms_norm_linear: x is RMS-normalised with the weight g first
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    USE_PRMT: tl.constexpr,  # see _biased_code_floats
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """c (N,) = x (K,) @ dequant(q)^T + bias for one row of x and int8 codes with one scale (and
-    zero point) per output channel: decode at batch 1.
+    """c (N,) = act(rstd * ((x * g) @ w^T) * scale + bias) for one row x (K,) and a weight w
+    (N, K) in the nn.Linear layout: float16 / bfloat16 values (matmul, rms_norm_linear) or int8
+    codes (weight-only, per-channel scale and zero point): decode at batch 1.
 
     A matrix-vector product has no reuse for tensor cores to exploit: each program streams
-    BLOCK_N rows of codes through CUDA-core FMAs into a (BLOCK_N, BLOCK_K) float32 accumulator
-    (one FMA and one conversion per weight, no cross-thread reduction inside the K loop), reduces
-    it once and applies the row's scale once. BLOCK_N of 8-16 rows gives every SM programs
-    without splitting K. H200 sweep (bf16 x, CUDA-graph replays): 1.3-1.4x cuBLAS bf16 at the
-    Llama-3-8B projections, where the tensor-core kernel was level with it.
+    BLOCK_N rows of w through CUDA-core FMAs into a (BLOCK_N, BLOCK_K) float32 accumulator
+    (no cross-thread reduction inside the K loop), reduces it once, then applies rstd, the
+    scale, bias and activation to its BLOCK_N outputs. A few rows per program give every SM
+    programs without splitting K, so there is no second launch.
+
+    Layout: x is loaded as a (1, BLOCK_K) row and the weight tile with at most 8 contiguous
+    columns per thread (8-byte int8 loads), so that both get the same layout when BLOCK_K is a
+    multiple of 8 x 32 x num_warps: every thread converts its 8 x values once per step and
+    reuses them for all BLOCK_N rows, with no layout conversion (a (BLOCK_K,) x vector had
+    another layout, and converting it cost a shared-memory round trip and barriers per step).
+
+    rms_norm_linear (HAS_NORM): the same loop sums x^2 on the x row: rms_norm(x) @ w^T =
+    rstd * ((x * g) @ w^T), so the normalised row never exists in memory and one launch does
+    what the unfused pair does in two.
+
+    int8 codes become float32 without an int -> float conversion (I2F issues at a quarter of
+    the FMA rate on Hopper, and held the loop to 2.0-2.6 TB/s of codes on an H200): see
+    _biased_code_floats; subtracting 2^23 + zero point (integers below 2^24) from 2^23 + byte
+    is exact.
     """
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    eps = tl.cast(eps, tl.float32)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_qn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
+    offs_wn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
     offs_k = tl.arange(0, BLOCK_K)
-    q_ptrs = q_ptr + offs_qn[:, None] * stride_qn + offs_k[None, :] * stride_qk
-    x_ptrs = x_ptr + offs_k * stride_xk
+    w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + tl.max_contiguous(offs_k, 8)[None, :] * stride_wk
+    x_ptrs = x_ptr + offs_k[None, :] * stride_xk
+    g_ptrs = g_ptr + offs_k[None, :]
     if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + offs_qn * stride_sn).to(tl.float32)
+        code_offset = tl.load(zeros_ptr + offs_wn * stride_sn).to(tl.float32) + 8388608.0  # 2^23 + zero
+    else:
+        code_offset = tl.zeros((BLOCK_N,), dtype=tl.float32) + 8388736.0  # 2^23 + 128
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ssq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        codes = tl.load(q_ptrs, mask=k_mask[None, :], other=0).to(tl.float32)
+        k_mask = (offs_k < K - k)[None, :]
+        w = tl.load(w_ptrs, mask=k_mask, other=0)
+        if HAS_SCALES:
+            w = _biased_code_floats(w, not HAS_ZEROS, USE_PRMT) - code_offset[:, None]
+        else:
+            w = w.to(tl.float32)
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            codes -= zero[:, None]
-        acc += codes * x[None, :]
-        q_ptrs += BLOCK_K * stride_qk
+        if HAS_NORM:
+            ssq += x * x
+            x *= tl.load(g_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        acc += w * x
+        w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
-    out = tl.sum(acc, axis=1) * tl.load(scales_ptr + offs_qn * stride_sn).to(tl.float32)
+        g_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if HAS_NORM:
+        out *= 1.0 / tl.sqrt(tl.sum(tl.sum(ssq, axis=1), axis=0) / K + eps)
+    if HAS_SCALES:
+        out *= tl.load(scales_ptr + offs_wn * stride_sn).to(tl.float32)
     mask = offs_n < N
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    out = _activation(out, ACTIVATION)
     tl.store(c_ptr + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -574,13 +632,15 @@ SKINNY_CONFIGS = [
 ]
 SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT"]
 
-# Weight-only int8 GEMV (M = 1, per-channel scales): rows per program and warps tuned (H200
-# sweep: 8 rows and 8 warps led at N = 4096, 16 rows at N = 6144, 4 warps at N = 14336; BLOCK_K
-# 512 ahead of 128-256 throughout, the pipelining depth within 1%).
-QUANT_GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": 512}, num_stages=3, num_warps=w) for bn in (8, 16) for w in (4, 8)
+# One-row GEMV (M = 1): BLOCK_K = 256 x num_warps (or twice that) keeps every thread on 8
+# columns (see _gemv_kernel). H200 sweep (bf16 weights and int8 codes, the Llama-3-8B
+# projections, CUDA-graph replays): 4 rows per program led everywhere, these configs within 2%
+# of each other; 16-32 rows and 8 warps were slower, the pipelining depth made no difference.
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=1, num_warps=w)
+    for bn, bk, w in ((4, 512, 2), (4, 1024, 2), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4))
 ]
-_quantized_gemv_kernel_tuned = _autotuned(_quantized_gemv_kernel, QUANT_GEMV_CONFIGS, ["N", "K", "HAS_ZEROS"])
+_gemv_kernel_tuned = _autotuned(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "HAS_NORM"])
 _matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
 _rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
 _rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])

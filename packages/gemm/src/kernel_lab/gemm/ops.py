@@ -33,6 +33,8 @@ from kernel_lab.shared import reference, runtime
 from kernel_lab.shared.reference.gemm import ACTIVATIONS
 
 from ._kernels import (
+    _gemv_kernel,
+    _gemv_kernel_tuned,
     _matmul_kernel,
     _matmul_kernel_fp8_prefill,
     _matmul_kernel_prefill,
@@ -40,8 +42,6 @@ from ._kernels import (
     _matmul_tma_kernel,
     _matmul_tma_kernel_fp8,
     _matmul_tma_persistent_kernel,
-    _quantized_gemv_kernel,
-    _quantized_gemv_kernel_tuned,
     _quantized_matmul_kernel,
     _rms_norm_linear_kernel,
     _rms_norm_linear_kernel_prefill,
@@ -295,6 +295,9 @@ def matmul_fwd(
     stride_sb = 0 if not has_scale or scale_b.numel() == 1 else 1
     bias_arg = c if bias is None else bias
     common = dict(HAS_BIAS=bias is not None, HAS_SCALE=has_scale, ACTIVATION=activation)
+    if m == 1 and not has_scale and b.stride(0) == 1:  # one row against an nn.Linear weight, b = w.t()
+        _gemv(a, b.t(), c, bias=bias, activation=activation, interpret=interpret, traced=traced)
+        return c
     if m <= SKINNY_MAX_M:
         k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
         plan = _skinny_plan(m, n, k, a.device, k_align)
@@ -327,22 +330,27 @@ def matmul_fwd(
     return c
 
 
-def _quantized_gemv(x, qdata, scales, zeros, bias, c, interpret: bool, traced: bool) -> None:
-    """c (1, N) = x (1, K) @ dequant(qdata)^T + bias for int8 codes with per-channel scales (see
-    _quantized_gemv_kernel); rows per program and warps autotuned on a GPU."""
-    n, k = qdata.shape
+def _gemv(x, w, c, *, scales=None, zeros=None, norm_weight=None, eps=0.0, bias=None, activation="none",
+          interpret: bool, traced: bool) -> None:
+    """c (1, N) = act(rms_norm(x) @ dequant(w)^T + bias) for one row x (1, K) and w (N, K) (see
+    _gemv_kernel): float16 / bfloat16 values, or int8 codes with per-channel scales (and zero
+    points); norm_weight: rms_norm_linear's g. Rows per program, BLOCK_K and warps autotuned on
+    a GPU."""
+    n, k = w.shape
     if interpret:
-        kernel, meta = _quantized_gemv_kernel, dict(BLOCK_N=8, BLOCK_K=INTERPRET_BLOCK)
+        kernel, meta = _gemv_kernel, dict(BLOCK_N=8, BLOCK_K=INTERPRET_BLOCK)
     else:
-        kernel, meta = _quantized_gemv_kernel_tuned, {}
+        kernel, meta = _gemv_kernel_tuned, {}
 
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]),)
 
     runtime.launchable(kernel, traced)[grid](
-        x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias,
-        n, k, x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), c.stride(1),
-        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, **meta,
+        x, w, c if scales is None else scales, c if zeros is None else zeros,
+        c if norm_weight is None else norm_weight, c, c if bias is None else bias,
+        n, k, x.stride(1), w.stride(0), w.stride(1), 0 if scales is None else scales.stride(0), c.stride(1), eps,
+        HAS_SCALES=scales is not None, HAS_ZEROS=zeros is not None, HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, USE_PRMT=not interpret, **meta,
     )
 
 
@@ -371,7 +379,7 @@ def quantized_matmul_fwd(
         return c
     interpret = be == "triton-interpret"
     if m == 1 and bits == 8 and group_size == k:
-        _quantized_gemv(x, qdata, scales, zeros, bias, c, interpret, traced)
+        _gemv(x, qdata, c, scales=scales, zeros=zeros, bias=bias, interpret=interpret, traced=traced)
         return c
     grouped = group_size < k
     if interpret:
@@ -425,6 +433,9 @@ def rms_norm_linear_fwd(
     b = weight.t()
     g = norm_weight.contiguous()
     bias_arg = c if bias is None else bias
+    if m == 1 and weight.stride(1) == 1:
+        _gemv(x, weight, c, norm_weight=g, eps=eps, bias=bias, interpret=interpret, traced=traced)
+        return c
     if m <= SKINNY_MAX_M:
         k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
         plan = _skinny_plan(m, n, k, x.device, k_align)
