@@ -127,6 +127,26 @@ def test_gemv_loop_reduces_only_after_the_loop(w_type, has_zeros, has_norm):
     assert not any(i.startswith("I2F") for i in loop), "int8 codes converted with I2F"
 
 
+@pytest.mark.parametrize("has_zeros", [False, True])
+def test_int4_gemv_loop_dequantizes_without_conversions(has_zeros):
+    """The one-row int4 kernel: no I2F per code (the nibbles become floats by byte permutes; a
+    zero point converts once per row and group), no warp shuffles in its K loop, and at most
+    7.5 instructions per code (5.2-8 across its configs; an I2F-based loop needs more)."""
+    from kernel_lab.gemm import _kernels
+
+    pointers = dict(x_ptr="*bf16", q_ptr="*u8", scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16")
+    constexprs = dict(HAS_ZEROS=has_zeros, HAS_BIAS=True, USE_PRMT=True, GROUP_SIZE=128, BLOCK_N=16, ROW_BYTES=256,
+                      stride_xk=1)
+    compiled = compile_for_sm90(_kernels._int4_gemv_kernel, pointers, constexprs, 2, 1)
+    loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
+    codes = 16 * 256 * 2 / (2 * 32)  # per thread and step: 16 rows x 256 bytes over 64 threads
+    assert not any(i.startswith("SHFL") for i in loop), "a cross-thread reduction inside the K loop"
+    conversions = sum(i.startswith("I2F") for i in loop)
+    assert conversions <= 16 * 2, f"{conversions} int -> float conversions for {codes:.0f} codes per thread"
+    per_code = len(loop) / codes
+    assert per_code <= 7.5, f"{per_code:.1f} SASS instructions per code in the K loop (limit 7.5)"
+
+
 FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)
     "_rms_norm_linear_kernel": (
         dict(x_ptr="*bf16", g_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", ssq_ptr="*fp32", bias_ptr="*bf16"),

@@ -128,7 +128,7 @@ def check_quantized(x, qw, bias=None):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group_size", [32, None])
-@pytest.mark.parametrize("m", [1, 3, 70])  # one row (int8 per channel: the GEMV), decode, prefill
+@pytest.mark.parametrize("m", [1, 3, 70])  # one row (the GEMVs: int8 per channel, int4 group 32), decode, prefill
 def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bits, symmetric, group_size, m):
     x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed)
     w = testing.randn(40, 96, seed=seed + 1, scale=0.1)
@@ -142,19 +142,21 @@ def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bit
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 64)])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_int8_gemv_tails_and_strided_row(kernel_device, seed, symmetric, dtype):
-    """The one-row int8 per-channel kernel (no tensor cores, so bfloat16 runs under the
-    interpreter too): N and K off every block size, x a strided row (column stride 3)."""
-    k = 100
+def test_gemv_tails_and_strided_row(kernel_device, seed, bits, group_size, symmetric, dtype):
+    """The one-row weight-only kernels (int8 per channel, int4 group-wise; no tensor cores, so
+    bfloat16 runs under the interpreter too): N off every block size, K not a whole number of
+    the int4 kernel's steps, x a strided row (column stride 3)."""
+    k = 100 if bits == 8 else 320
     x = testing.randn(k, 3, dtype=dtype, device=kernel_device, seed=seed)[:, 1].unsqueeze(0)
     assert x.stride(1) == 3
     w = testing.randn(37, k, seed=seed + 1, scale=0.1)
-    qw = quantize_weight(w, 8, None, symmetric)
+    qw = quantize_weight(w, bits, group_size, symmetric)
     qw = QuantizedWeight(
         qw.qdata.to(kernel_device), qw.scales.to(dtype).to(kernel_device),
-        None if qw.zeros is None else qw.zeros.to(kernel_device), 8, qw.group_size, qw.shape, dtype,
+        None if qw.zeros is None else qw.zeros.to(kernel_device), bits, qw.group_size, qw.shape, dtype,
     )
     check_quantized(x, qw, testing.randn(37, dtype=dtype, device=kernel_device, seed=seed + 2))
 

@@ -445,6 +445,95 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _nibble_floats(p, USE_PRMT: tl.constexpr):
+    """(0.5 + low nibble / 256, 0.5 + high nibble / 256) as float32 for a tile of packed int4
+    bytes, without int -> float conversions: a nibble in bits 16-19 of the float 0.5 (bits
+    0x3F000000) adds nibble * 2^-8 exactly. USE_PRMT (a GPU, not the interpreter): the nibbles
+    of four bytes are masked in one word, then one PTX byte permute per nibble moves it into
+    place beside 0x3F (3.4 instructions per weight with the two FMAs, offline sm_90 SASS)."""
+    if USE_PRMT:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi, m; mov.b32 m, 0x3F000000; and.b32 lo, $8, 0x0F0F0F0F;"
+            " shr.u32 hi, $8, 4; and.b32 hi, hi, 0x0F0F0F0F;"
+            " prmt.b32 $0, lo, m, 0x7044; prmt.b32 $1, lo, m, 0x7144;"
+            " prmt.b32 $2, lo, m, 0x7244; prmt.b32 $3, lo, m, 0x7344;"
+            " prmt.b32 $4, hi, m, 0x7044; prmt.b32 $5, hi, m, 0x7144;"
+            " prmt.b32 $6, hi, m, 0x7244; prmt.b32 $7, hi, m, 0x7344; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [p], dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+        )
+    byte = p.to(tl.uint8, bitcast=True).to(tl.uint32)
+    lo = (((byte & 0xF) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
+    hi = (((byte >> 4) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
+    N, K, stride_xk, stride_qn, stride_sn, stride_sg, stride_cn,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_PRMT: tl.constexpr,  # see _nibble_floats
+    GROUP_SIZE: tl.constexpr,  # a power of two, 32-256
+    BLOCK_N: tl.constexpr, ROW_BYTES: tl.constexpr,  # rows per program, bytes of each row per step
+):
+    """c (N,) = x (K,) @ dequant(q)^T + bias for one row x and int4 codes: q (N, K // 2) bytes
+    (column 2j in the low nibble of byte j, 2j + 1 in the high one), scales and optional zero
+    points (N, K // GROUP_SIZE): decode at batch 1. The one-row story of _gemv_kernel (CUDA-core
+    FMAs into a float32 tile reduced once after the loop) with a group dimension: a step
+    covers ROW_BYTES // (GROUP_SIZE // 2) whole groups of BLOCK_N rows, as a (BLOCK_N, groups,
+    GROUP_SIZE // 2) tile of bytes whose low and high nibbles meet the even and odd columns of x.
+
+    The even and odd columns of x are loaded with stride-2 pointers, in another layout than the
+    bytes': converting them costs a shared-memory round trip per step (offline sm_90 SASS:
+    5.2-8 instructions per code in the loop; loading x's groups contiguously and splitting
+    them in registers did not remove the conversion). The loop stays bound by instructions,
+    not by the code bytes.
+
+    Dequantization is one FMA per code, exact: with a = 0.5 + code / 256 (_nibble_floats),
+    a * (256 s) - (128 + zero) * s = (code - zero) * s. 256 s is exact (a power of two times a
+    float16 / bfloat16 scale), (128 + zero) * s has at most 8 + 11 significant bits, so exact in
+    float32, and the FMA rounds once a value that is representable: (code - zero) * s.
+    """
+    HALF: tl.constexpr = GROUP_SIZE // 2
+    GROUPS: tl.constexpr = ROW_BYTES // HALF
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_qn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
+    offs_g = tl.arange(0, GROUPS)
+    offs_b = tl.arange(0, HALF)
+    q_ptrs = (q_ptr + offs_qn[:, None, None] * stride_qn
+              + tl.max_contiguous(offs_g[None, :, None] * HALF + offs_b[None, None, :], [1, 1, 8]))
+    x_ptrs = x_ptr + (offs_g[:, None] * GROUP_SIZE + 2 * offs_b[None, :]) * stride_xk  # even columns
+    s_ptrs = offs_qn[:, None] * stride_sn + offs_g[None, :] * stride_sg
+    # two accumulators, so that each code costs one FMA to dequantize and one to accumulate
+    acc_even = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
+    acc_odd = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
+    n_groups = K // GROUP_SIZE
+    for g in range(0, n_groups, GROUPS):
+        g_mask = offs_g < n_groups - g
+        p = tl.load(q_ptrs, mask=g_mask[None, :, None], other=0)
+        s = tl.load(scales_ptr + s_ptrs, mask=g_mask[None, :], other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + s_ptrs, mask=g_mask[None, :], other=0).to(tl.float32)
+        else:
+            zero = 8.0
+        a_lo, a_hi = _nibble_floats(p, USE_PRMT)
+        step = (s * 256.0)[:, :, None]
+        shift = (-(128.0 + zero) * s)[:, :, None]
+        x_even = tl.load(x_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
+        x_odd = tl.load(x_ptrs + stride_xk, mask=g_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
+        acc_even += (a_lo * step + shift) * x_even
+        acc_odd += (a_hi * step + shift) * x_odd
+        q_ptrs += ROW_BYTES
+        x_ptrs += 2 * ROW_BYTES * stride_xk
+        s_ptrs += GROUPS * stride_sg
+    out = tl.sum(tl.sum(acc_even + acc_odd, axis=2), axis=1)
+    mask = offs_n < N
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _split_sum_of_squares(x_ptr, ssq_ptr, M, K, stride_xm, stride_xk, stride_ssq, K_PER_SPLIT,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row ssq_ptr[split] = sum over this split's K range of x^2, for the rows 0..M-1 of x (one
@@ -641,6 +730,13 @@ GEMV_CONFIGS = [
     for bn, bk, w in ((4, 512, 2), (4, 1024, 2), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4))
 ]
 _gemv_kernel_tuned = _autotuned(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "HAS_NORM"])
+# int4 GEMV: rows per program, bytes of each row per step and warps; H200 sweep (group 128,
+# the Llama-3-8B projections, CUDA-graph replays): the leaders of each shape, symmetric or not.
+INT4_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "ROW_BYTES": rb}, num_stages=1, num_warps=w)
+    for bn, rb, w in ((16, 512, 4), (8, 512, 2), (8, 256, 4), (16, 256, 4), (16, 128, 4))
+]
+_int4_gemv_kernel_tuned = _autotuned(_int4_gemv_kernel, INT4_GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "GROUP_SIZE"])
 _matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
 _rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
 _rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])

@@ -35,6 +35,8 @@ from kernel_lab.shared.reference.gemm import ACTIVATIONS
 from ._kernels import (
     _gemv_kernel,
     _gemv_kernel_tuned,
+    _int4_gemv_kernel,
+    _int4_gemv_kernel_tuned,
     _matmul_kernel,
     _matmul_kernel_fp8_prefill,
     _matmul_kernel_prefill,
@@ -80,6 +82,8 @@ SPLIT_PROGRAMS_PER_SM_WIDE = 1.0
 QUANT_SPLIT_PROGRAMS_PER_SM = {8: 2, 4: 4}
 QUANT_SPLIT_MAX_TRAFFIC = 1 / 8
 QUANT_BLOCK_N = 64
+# int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
+INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
 SKINNY_K_ALIGN = 256
 MAX_SPLIT_K = 16
@@ -354,6 +358,26 @@ def _gemv(x, w, c, *, scales=None, zeros=None, norm_weight=None, eps=0.0, bias=N
     )
 
 
+def _int4_gemv(x, qdata, scales, zeros, bias, c, group_size: int, interpret: bool, traced: bool) -> None:
+    """c (1, N) = x (1, K) @ dequant(qdata)^T + bias for int4 codes with group-wise scales (see
+    _int4_gemv_kernel); rows per program, bytes per step and warps autotuned on a GPU."""
+    n, k = qdata.shape[0], x.shape[1]
+    if interpret:
+        kernel, meta = _int4_gemv_kernel, dict(BLOCK_N=4, ROW_BYTES=max(32, group_size // 2))
+    else:
+        kernel, meta = _int4_gemv_kernel_tuned, {}
+
+    def grid(meta):
+        return (runtime.cdiv(n, meta["BLOCK_N"]),)
+
+    runtime.launchable(kernel, traced)[grid](
+        x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias,
+        n, k, x.stride(1), qdata.stride(0), scales.stride(0), scales.stride(1), c.stride(1),
+        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, USE_PRMT=not interpret, GROUP_SIZE=group_size,
+        **meta,
+    )
+
+
 @runtime.on_tensors_device
 def quantized_matmul_fwd(
     x: torch.Tensor,
@@ -380,6 +404,9 @@ def quantized_matmul_fwd(
     interpret = be == "triton-interpret"
     if m == 1 and bits == 8 and group_size == k:
         _gemv(x, qdata, c, scales=scales, zeros=zeros, bias=bias, interpret=interpret, traced=traced)
+        return c
+    if m == 1 and bits == 4 and group_size in INT4_GEMV_GROUP_SIZES:
+        _int4_gemv(x, qdata, scales, zeros, bias, c, group_size, interpret, traced)
         return c
     grouped = group_size < k
     if interpret:
