@@ -711,15 +711,16 @@ def _skinny_cfg(bk, stages, warps):
 
 
 # H200 sweeps at M = 16 and 64 (bf16 and fp8): 4 warps always; BLOCK_K 256 with 4-5 stages
-# led with 16-row tiles, 64-128 with 4 stages with 64-row ones (BLOCK_K 256 does not fit their
-# 64 x 128 tiles in shared memory: the autotuner skips a config that runs out of resources).
+# led with 16-row tiles, 64-128 with 4 stages with 64-row ones (the autotuner skips a config
+# that runs out of shared memory, as BLOCK_K 256 with 5 stages does for 64 x 64 tiles).
+# BLOCK_N is part of the key: the launcher picks it per shape (see ops.SKINNY_BLOCK_N).
 SKINNY_CONFIGS = [
     _skinny_cfg(64, 4, 4),
     _skinny_cfg(128, 4, 4),
     _skinny_cfg(256, 4, 4),
     _skinny_cfg(256, 5, 4),
 ]
-SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT"]
+SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT", "BLOCK_N"]
 
 # One-row GEMV (M = 1): BLOCK_K = 256 x num_warps (or twice that) keeps every thread on 8
 # columns (see _gemv_kernel). H200 sweep (bf16 weights and int8 codes, the Llama-3-8B

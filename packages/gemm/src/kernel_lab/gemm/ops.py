@@ -59,20 +59,21 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 # M at or below which the decode path (small BLOCK_M, split-K) runs: up to 64 rows one
 # 64-row tile covers M, and the weight read dominates the cost.
 SKINNY_MAX_M = 64
-# Decode tiles are 64 columns wide for M <= 16 (16-row tiles) and 128 for M of 17 to 64 (32 or
-# 64 rows): in H200 sweeps (bf16, the four Llama-3-8B projections) 128 columns were fastest at
-# M = 64 for three shapes and within 1.5% for the fourth (N 4096, K 14336); at M = 16, 64
-# columns (128 tied or lost).
+# Decode tiles are 64 columns wide, halved (down to 32) while the output tiles would leave more
+# than half the SMs idle; K is split only if they still would (split = SMs * 0.5 // tiles).
+# Splitting K fills idle SMs but adds the reduce kernel and its dependency (2-4 us); narrower
+# tiles fill them without it. H200 sweep (bf16, M in {16, 64}, the four Llama-3-8B
+# projections, CUDA-graph replays, 32/64/128-column tiles x splits): no split was fastest on
+# every shape, 32 columns at N = 4096 (M = 64, K = 4096: 12.6 us against 15.8 with the earlier
+# 128 columns and split 4), 64 at N = 6144 and 14336.
 SKINNY_BLOCK_N = 64
-SKINNY_WIDE_BLOCK_N = 128
-# Programs per SM the split of K aims for, at most (split = SMs * this // output tiles, at
-# least 1), for 16-row tiles and for wider ones. Splitting K fills idle SMs but adds the reduce
-# kernel and its dependency (2-4 us). H200 sweeps (CUDA-graph replays, kernel + reduce): at
-# M = 16 no split was fastest from 64 output tiles up (half the SMs; e.g. N 6144: 15.7 us
-# against 19.5 at split 3), so 16-row tiles split only below half the SMs; at M = 64 one wave
-# of programs was fastest (N 6144: split 2, N 4096: 4, N 14336: 1).
+SKINNY_MIN_BLOCK_N = 32
 SPLIT_PROGRAMS_PER_SM = 0.5
-SPLIT_PROGRAMS_PER_SM_WIDE = 1.0
+# rms_norm_linear at M of 17 to 64 keeps 128-column tiles and one wave of programs: its x^2
+# sums run in one extra program per K split, which unsplit is the critical path (H200, M = 64,
+# N 6144: 31.4 us on the plan above against 22.1 with 128 columns and split 2).
+RMS_NORM_LINEAR_WIDE_BLOCK_N = 128
+RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
 # The weight-only (dequantizing) decode kernel splits K for more programs than the plan above
 # (unpacking codes costs instructions per weight byte, and more programs in flight hide it):
 # 2 per SM for int8 and 4 for int4 (H200 sweep of the swapped-operand kernel, M in {1, 16},
@@ -128,21 +129,23 @@ class _SkinnyPlan:
 
 def _skinny_plan(
     m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None,
-    quantized_bytes: int | None = None, bits: int = 8,
+    quantized_bytes: int | None = None, bits: int = 8, programs_per_sm: float = SPLIT_PROGRAMS_PER_SM,
 ) -> _SkinnyPlan:
-    """BLOCK_M covering M, BLOCK_N (after M unless given), and the K split (see constants);
-    quantized_bytes / bits: the weight's bytes and code width, for the weight-only kernel's plan."""
+    """BLOCK_M covering M, BLOCK_N (after N unless given), and the K split (see constants);
+    quantized_bytes / bits: the weight's bytes and code width, for the weight-only kernel's plan;
+    programs_per_sm: what the split of the other kernels aims for, at most."""
     interpret = device.type != "cuda"
     block_m = max(16, runtime.next_power_of_2(m))
-    wide = block_m > 16
+    sms = runtime.sm_count(device)
     if block_n is None:
-        block_n = SKINNY_WIDE_BLOCK_N if wide else SKINNY_BLOCK_N
+        block_n = SKINNY_BLOCK_N
+        while block_n > SKINNY_MIN_BLOCK_N and runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n) < sms // 2:
+            block_n //= 2
     block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
-    sms = runtime.sm_count(device)
     if quantized_bytes is None:
         # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
-        split = int(sms * (SPLIT_PROGRAMS_PER_SM_WIDE if wide else SPLIT_PROGRAMS_PER_SM)) // tiles
+        split = int(sms * programs_per_sm) // tiles
     else:
         split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM[bits] * sms, tiles)
         split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC * quantized_bytes / (2 * m * n * 4))))
@@ -465,7 +468,8 @@ def rms_norm_linear_fwd(
         return c
     if m <= SKINNY_MAX_M:
         k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
-        plan = _skinny_plan(m, n, k, x.device, k_align)
+        wide = dict(block_n=RMS_NORM_LINEAR_WIDE_BLOCK_N, programs_per_sm=RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM)
+        plan = _skinny_plan(m, n, k, x.device, k_align, **(wide if m > 16 else {}))
         split = plan.split_k
         # always split-K here, even for a split of 1: the kernel's extra program per split sums
         # x^2 (see _rms_norm_linear_kernel) and the reduce forms rstd
