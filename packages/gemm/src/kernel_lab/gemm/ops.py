@@ -12,10 +12,13 @@ Where a launcher runs (`kernel_lab.shared.runtime.backend`): "triton" on CUDA, t
 under the Triton interpreter for CPU tensors with TRITON_INTERPRET=1 (autotuning bypassed: one
 small fixed config), and the shared float32 reference otherwise.
 
-Two paths per GEMM:
+Paths per GEMM:
 - prefill (M > SKINNY_MAX_M): large output tiles, autotuned, grouped program order;
-- decode (M <= SKINNY_MAX_M): the smallest BLOCK_M covering M and split-K, so that enough
-  programs stream the weight to keep HBM busy; partial tiles are summed by a reduce kernel.
+- decode (M <= SKINNY_MAX_M): the smallest BLOCK_M covering M, narrow tiles and, where they
+  still leave SMs idle, split-K, so that enough programs stream the weight to keep HBM busy;
+  partial tiles are summed by a reduce kernel;
+- one row (M = 1) against an nn.Linear-layout weight (matmul, rms_norm_linear, int8
+  per-channel and int4 weight-only): the GEMV kernels, CUDA-core FMAs and no second launch.
 """
 
 from __future__ import annotations
