@@ -153,6 +153,21 @@ def test_matmul_bias_activation_epilogue_matches_reference(kernel_device, seed, 
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matmul_one_row_gemv_strided_row_and_tails(kernel_device, seed, dtype):
+    """The one-row GEMV (b = w.t() of an nn.Linear weight; no tensor cores, so bfloat16 runs
+    under the interpreter too): N and K off every block size, x a strided row (column stride
+    3), bias + SiLU epilogue, float32 output."""
+    k, n = 100, 37
+    a = testing.randn(k, 3, dtype=dtype, device=kernel_device, seed=seed)[:, 1].unsqueeze(0)
+    assert a.stride(1) == 3
+    w = testing.randn(n, k, dtype=dtype, device=kernel_device, seed=seed + 1, scale=k**-0.5)
+    bias = testing.randn(n, dtype=dtype, device=kernel_device, seed=seed + 2)
+    check(matmul(a, w.t(), bias=bias, activation="silu", out_dtype=torch.float32), a, w.t(), bias, "silu",
+          torch.float32)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matmul_batched_strided_rows_and_out_dtype(kernel_device, seed, out_dtype):
     a = testing.strided_rows(testing.randn(2, 3, 5, 40, dtype=torch.float16, device=kernel_device, seed=seed))

@@ -63,6 +63,17 @@ def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, n, wi
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_linear_one_row_gemv(kernel_device, seed, dtype):
+    """M = 1 runs the GEMV (no tensor cores, so bfloat16 runs under the interpreter too): K
+    and N off every block size, a bias."""
+    x = testing.randn(1, 100, dtype=dtype, device=kernel_device, seed=seed, scale=4.0)
+    g = testing.randn(100, dtype=dtype, device=kernel_device, seed=seed + 1)
+    w = testing.randn(37, 100, dtype=dtype, device=kernel_device, seed=seed + 2, scale=0.1)
+    check(x, g, w, 1e-5, testing.randn(37, dtype=dtype, device=kernel_device, seed=seed + 3))
+
+
+@pytest.mark.interpret
 def test_rms_norm_linear_strided_batched_input_and_module(kernel_device, seed):
     x = testing.strided_rows(testing.randn(2, 3, 40, dtype=torch.float16, device=kernel_device, seed=seed))
     norm = torch.nn.RMSNorm(40, eps=1e-5).to(kernel_device, torch.float16)
