@@ -732,7 +732,8 @@ GEMV_CONFIGS = [
 ]
 _gemv_kernel_tuned = _autotuned(_gemv_kernel, GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "HAS_NORM"])
 # int4 GEMV: rows per program, bytes of each row per step and warps; H200 sweep (group 128,
-# the Llama-3-8B projections, CUDA-graph replays): the leaders of each shape, symmetric or not.
+# the Llama-3-8B projections, CUDA-graph replays; run with one accumulator, before the kernel
+# got its two): the leaders of each shape, symmetric or not.
 INT4_GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "ROW_BYTES": rb}, num_stages=1, num_warps=w)
     for bn, rb, w in ((16, 512, 4), (8, 512, 2), (8, 256, 4), (16, 256, 4), (16, 128, 4))
