@@ -59,13 +59,13 @@ CASES = {
                     BLOCK_N=64, BLOCK_K=256, GROUP_M=1, stride_ak=1, stride_bk=1, stride_cn=1), 4, 3),
     "int8-decode": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                      zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
-                    dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, BLOCK_M=16,
-                         BLOCK_N=64, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1, stride_cn=1,
+                    dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
+                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1, stride_cn=1,
                          stride_sg=1), 4, 3),
     "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                       zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
                      dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=False, SWAP_AB=False,
-                          BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1,
+                          USE_PRMT=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1,
                           stride_cn=1, stride_sg=1), 8, 3),
 }  # fmt: skip
 
@@ -96,7 +96,8 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n):
     from kernel_lab.gemm import _kernels
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
-    constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, BLOCK_M=16,
+    constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
+                      BLOCK_M=16,
                       BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, 4, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]

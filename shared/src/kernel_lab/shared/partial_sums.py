@@ -29,11 +29,16 @@ import triton.language as tl
 
 from . import runtime
 
-# Columns per program and partial rows per loop step: a 32 x 64 float32 tile over 4 warps is 16
-# values a thread; 4096 columns make 64 programs, enough to spread a few MB of partials (e.g.
-# 528 x 4096 x 4 bytes) over as many SMs.
-BLOCK_N = 64
-BLOCK_M = 32
+# Tiles of the sum: BLOCK_N columns a program, BLOCK_M partial rows a loop step, ELEMENTS a step
+# over NUM_WARPS warps (16 values a thread). The partials are a few MB, mostly still in L2 from the
+# kernel that wrote them, so the sum is bound by latency, not bytes: its time is the loop steps
+# of one program, and every SM should have a program. Columns a program are therefore the widest
+# of MAX_BLOCK_N, 32, 16, 8 that still gives each SM one. Fixed 64-column programs (32 of them for
+# 2048 columns, 17 serial steps each over 528 partial rows) took 9.3 us after a 32768 x 2048
+# RMSNorm backward on an H200; the kernel itself took 98.
+MAX_BLOCK_N = 64
+MIN_BLOCK_N = 8
+ELEMENTS = 2048
 NUM_WARPS = 4
 
 
@@ -47,11 +52,20 @@ def _sum_partials_kernel(
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, n_rows, BLOCK_M):
+    for start in tl.range(0, n_rows, BLOCK_M, num_stages=3):
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+def _sum_tile(n_rows: int, n_cols: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the sum: the widest column block leaving no SM without a program
+    (MIN_BLOCK_N if none does), ELEMENTS a step, never more rows a step than there are."""
+    block_n = MAX_BLOCK_N
+    while block_n > MIN_BLOCK_N and runtime.cdiv(n_cols, block_n) < sms:
+        block_n //= 2
+    return min(ELEMENTS // block_n, runtime.next_power_of_2(max(n_rows, 1))), block_n
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
@@ -73,8 +87,9 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = Fals
         # (none when traced: torch.compile traces with fake tensors, which have no address)
         plan = None if traced else (partials.device, partials.shape, dtype, partials.data_ptr() % 16,
                                     out.data_ptr() % 16)
-        runtime.launchable(_sum_partials_kernel, traced, plan)[(runtime.cdiv(n_cols, BLOCK_N),)](
-            partials, out, n_rows, n_cols, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        block_m, block_n = _sum_tile(n_rows, n_cols, runtime.sm_count(partials.device))
+        runtime.launchable(_sum_partials_kernel, traced, plan)[(runtime.cdiv(n_cols, block_n),)](
+            partials, out, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 

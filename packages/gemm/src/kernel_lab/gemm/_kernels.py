@@ -219,10 +219,38 @@ def _splitk_reduce_kernel(
 
 
 @triton.jit
-def _int8_weights(q, zero, dtype: tl.constexpr):
-    """code - zero of an int8 / uint8 code tile as exact `dtype` values (|code - zero| <= 255).
-    zero: int32, broadcastable against q (0 when symmetric)."""
-    return (q.to(tl.int32) - zero).to(dtype)
+def _biased_code_floats(codes, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
+    """2^23 + byte as float32 for a tile of int8 (SIGNED: byte = code + 128) or uint8 codes,
+    without an int -> float conversion: a byte in the low mantissa bits of 2^23 reads as
+    2^23 + byte exactly. USE_PRMT (a GPU, not the interpreter): one PTX byte permute per code
+    builds the float's bits from the byte and 0x4B (the top byte of 2^23), where the Triton
+    expression compiles to two logic ops (ptxas does not fuse the byte extract and the OR)."""
+    if USE_PRMT:
+        flip: tl.constexpr = "xor.b32 w, $4, 0x80808080;" if SIGNED else "mov.b32 w, $4;"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 w, m; mov.b32 m, 0x4B000000; " + flip
+            + " prmt.b32 $0, w, m, 0x7540; prmt.b32 $1, w, m, 0x7541;"
+            + " prmt.b32 $2, w, m, 0x7542; prmt.b32 $3, w, m, 0x7543; }",
+            "=r,=r,=r,=r,r", [codes], dtype=tl.float32, is_pure=True, pack=4,
+        )
+    byte = codes.to(tl.uint8, bitcast=True).to(tl.uint32)
+    if SIGNED:
+        byte ^= 0x80
+    return (byte | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_weights(q, zero, dtype: tl.constexpr, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
+    """code - zero of an int8 (SIGNED, zero 0) / uint8 code tile as exact `dtype` values
+    (|code - zero| <= 255). zero: int32, broadcastable against q.
+
+    Through float32 without an int -> float conversion (_biased_code_floats): 2^23 + byte minus
+    2^23 + zero point is exact, and so is its cast (8 significant bits hold |code - zero|). An
+    int8 -> bfloat16 cast is one I2F per code, which issues at a quarter of the FMA rate on
+    Hopper: at 16 codes per SM per cycle it alone needs as long as an H200 takes to read the codes
+    (about 16 bytes per SM per cycle), and it held the M = 16 decode below cuBLAS bf16."""
+    bias: tl.constexpr = 8388736.0 if SIGNED else 8388608.0  # 2^23 + 128 (the signed flip) or 2^23
+    return (_biased_code_floats(q, SIGNED, USE_PRMT) - (zero.to(tl.float32) + bias)).to(dtype)
 
 
 @triton.jit
@@ -259,6 +287,7 @@ def _quantized_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     SWAP_AB: tl.constexpr,  # decode: the weight tile is the dot's first operand (see below)
+    USE_PRMT: tl.constexpr,  # int8 codes: see _biased_code_floats
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = x @ dequant(q)^T + bias, the weight dequantized tile by tile inside the K loop.
@@ -321,7 +350,7 @@ def _quantized_matmul_kernel(
             x_mask = k_mask[None, :]
         if BITS == 8:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            w = _int8_weights(codes, zero_b, dtype)
+            w = _int8_weights(codes, zero_b, dtype, not HAS_ZEROS, USE_PRMT)
             part = tl.dot(w, x) if SWAP_AB else tl.dot(x, w)
         else:
             x_even = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -344,27 +373,6 @@ def _quantized_matmul_kernel(
         )
     else:
         _store_partial(acc, c_ptr, pid_k, offs_m, offs_n, M, N, stride_cs, stride_cm)
-
-
-@triton.jit
-def _biased_code_floats(codes, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
-    """2^23 + byte as float32 for a tile of int8 (SIGNED: byte = code + 128) or uint8 codes,
-    without an int -> float conversion: a byte in the low mantissa bits of 2^23 reads as
-    2^23 + byte exactly. USE_PRMT (a GPU, not the interpreter): one PTX byte permute per code
-    builds the float's bits from the byte and 0x4B (the top byte of 2^23), where the Triton
-    expression compiles to two logic ops (ptxas does not fuse the byte extract and the OR)."""
-    if USE_PRMT:
-        flip: tl.constexpr = "xor.b32 w, $4, 0x80808080;" if SIGNED else "mov.b32 w, $4;"
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 w, m; mov.b32 m, 0x4B000000; " + flip
-            + " prmt.b32 $0, w, m, 0x7540; prmt.b32 $1, w, m, 0x7541;"
-            + " prmt.b32 $2, w, m, 0x7542; prmt.b32 $3, w, m, 0x7543; }",
-            "=r,=r,=r,=r,r", [codes], dtype=tl.float32, is_pure=True, pack=4,
-        )
-    byte = codes.to(tl.uint8, bitcast=True).to(tl.uint32)
-    if SIGNED:
-        byte ^= 0x80
-    return (byte | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -86,6 +86,8 @@ RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
 QUANT_SPLIT_PROGRAMS_PER_SM = {8: 2, 4: 4}
 QUANT_SPLIT_MAX_TRAFFIC = 1 / 8
 QUANT_BLOCK_N = 64
+QUANT_NUM_WARPS = 4
+QUANT_NUM_STAGES = 3
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -421,13 +423,13 @@ def quantized_matmul_fwd(
         # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
         block_k = min(128, group_size & -group_size) if grouped else 128
     decode = m <= SKINNY_MAX_M
-    if decode:  # the swapped-operand kernel (see _quantized_matmul_kernel), 4 warps, 3 stages
+    if decode:  # the swapped-operand kernel (see _quantized_matmul_kernel)
         block_n = QUANT_BLOCK_N
         if bits == 4 and runtime.cdiv(n, QUANT_BLOCK_N) > runtime.sm_count(x.device):
             block_n = 2 * QUANT_BLOCK_N
         plan = _skinny_plan(m, n, k, x.device, block_k, block_n=block_n, quantized_bytes=qdata.numel(), bits=bits)
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
-        launch = {} if interpret else dict(num_warps=4, num_stages=3)
+        launch = {} if interpret else dict(num_warps=QUANT_NUM_WARPS, num_stages=QUANT_NUM_STAGES)
     else:
         block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
         split_k, k_per_split = 1, k
@@ -440,7 +442,8 @@ def quantized_matmul_fwd(
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
         ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1,
-        SWAP_AB=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1 if decode else 8, **launch,
+        SWAP_AB=decode, USE_PRMT=not interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=1 if decode else 8, **launch,
     )
     if split_k > 1:
         _reduce(ws, c, bias=bias, traced=traced)
