@@ -77,17 +77,19 @@ SPLIT_PROGRAMS_PER_SM = 0.5
 # N 6144: 31.4 us on the plan above against 22.1 with 128 columns and split 2).
 RMS_NORM_LINEAR_WIDE_BLOCK_N = 128
 RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
-# The weight-only (dequantizing) decode kernel splits K for more programs than the plan above
-# (unpacking codes costs instructions per weight byte, and more programs in flight hide it):
-# 2 per SM for int8 and 4 for int4 (H200 sweep of the swapped-operand kernel, M in {1, 16},
-# the Llama-3-8B projections: the fastest split, or within 5% of it, on every shape), the float32
-# partials (written and read once) at most 1/8 of the weight's bytes. Its tiles are 64 columns
-# wide, 128 for int4 once 64-column tiles would exceed SMs (there the wider tile was 3-8% faster).
-QUANT_SPLIT_PROGRAMS_PER_SM = {8: 2, 4: 4}
-QUANT_SPLIT_MAX_TRAFFIC = 1 / 8
-QUANT_BLOCK_N = 64
-QUANT_NUM_WARPS = 4
-QUANT_NUM_STAGES = 3
+# The weight-only (dequantizing) decode kernel's tiles (BLOCK_N, warps, stages) and K split. Its
+# K loop is bound by latency (codes unpacked in registers, then a wgmma that waits on them), not
+# by bytes or issue, so it wants programs in flight: int8 keeps 64-column tiles over 4 warps and
+# aims for 4 programs per SM, int4 takes 128 columns over 8 warps (two warpgroups) and 2 per SM;
+# split = programs per SM x SMs // tiles, the float32 partials (written and read once, in L2)
+# at most 1/8 (int8) or 1/4 (int4) of the weight's bytes. H200 sweep (bf16, M = 16, the Llama-3-8B
+# projections, CUDA-graph replays; tiles {64/4/3, 128/4/3, 128/8/4} x splits 1-12): the fastest
+# or within 0.5 us of it on every shape but int4 at N = 6144 (19.1 against 17.5 us at split 6),
+# and int4 14.5 / 19.1 / 30.1 / 30.2 us against 20.6 / 22.3 / 32.8 / 35.3 with the earlier
+# 64-column, 4-warp tiles and cdiv-rounded splits.
+QUANT_TILES = {8: (64, 4, 3), 4: (128, 8, 4)}
+QUANT_SPLIT_PROGRAMS_PER_SM = {8: 4, 4: 2}
+QUANT_SPLIT_MAX_TRAFFIC = {8: 1 / 8, 4: 1 / 4}
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -152,8 +154,8 @@ def _skinny_plan(
         # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
         split = int(sms * programs_per_sm) // tiles
     else:
-        split = runtime.cdiv(QUANT_SPLIT_PROGRAMS_PER_SM[bits] * sms, tiles)
-        split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC * quantized_bytes / (2 * m * n * 4))))
+        split = QUANT_SPLIT_PROGRAMS_PER_SM[bits] * sms // tiles
+        split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC[bits] * quantized_bytes / (2 * m * n * 4))))
     split = max(1, min(split, MAX_SPLIT_K, runtime.cdiv(k, k_align)))
     k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
     return _SkinnyPlan(block_m, block_n, runtime.cdiv(k, k_per_split), k_per_split)
@@ -424,12 +426,10 @@ def quantized_matmul_fwd(
         block_k = min(128, group_size & -group_size) if grouped else 128
     decode = m <= SKINNY_MAX_M
     if decode:  # the swapped-operand kernel (see _quantized_matmul_kernel)
-        block_n = QUANT_BLOCK_N
-        if bits == 4 and runtime.cdiv(n, QUANT_BLOCK_N) > runtime.sm_count(x.device):
-            block_n = 2 * QUANT_BLOCK_N
+        block_n, num_warps, num_stages = QUANT_TILES[bits]
         plan = _skinny_plan(m, n, k, x.device, block_k, block_n=block_n, quantized_bytes=qdata.numel(), bits=bits)
         block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
-        launch = {} if interpret else dict(num_warps=QUANT_NUM_WARPS, num_stages=QUANT_NUM_STAGES)
+        launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
     else:
         block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
         split_k, k_per_split = 1, k
