@@ -4,4 +4,4 @@ Submodules: `runtime`, `reference`, `testing`, `bench`, `shapes`, `pytest_plugin
 `partial_sums` (a Triton kernel: import it only where triton is installed).
 """
 
-__version__ = "0.1.12"
+__version__ = "0.1.13"

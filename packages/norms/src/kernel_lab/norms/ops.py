@@ -46,6 +46,12 @@ FWD_MAX_FUSED_COLS = 16384
 # sweep, and slower at 2048-8192: not taken, one LayerNorm design.)
 BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
+# (Tried and dropped: adding dweight up inside the one-tile RMSNorm backward, in two levels (the
+# last program of each group of about sqrt(programs) adds its group's partial rows, the last
+# group adds the group sums) to save the sum_partials launch, whose host time counts under
+# autograd. One program reads the partials from L2 at about 30-40 GB/s, so the tail cost 11, 21
+# and 96 us of GPU time at 2048, 4096 and 8192 columns (H200, 2**26 bf16 elements) against 3 us
+# for sum_partials: a loss wherever the GPU, not the host, bounds the backward.)
 # (Tried and dropped: software-pipelining the one-tile backward's row loop, tl.range with
 # num_stages=2, which stages the next row block in shared memory. On an H200 it was slower for
 # rms_norm and layer_norm at every width from 2048 to 16384 columns. The LayerNorm kernel's
