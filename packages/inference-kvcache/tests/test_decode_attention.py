@@ -30,6 +30,18 @@ def test_decode_ragged_gqa_matches_reference(kvh, kernel_device, seed, h_q, h_kv
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_decode_merge_in_head_dim_chunks_matches_reference(kvh, kernel_device, seed, d):
+    """One sequence of two query heads: fewer merge programs than SMs (runtime.sm_count, 4 under
+    the interpreter), so the merge cuts each head into 32- or 64-column chunks; 80 is not a power
+    of two (the last chunk is masked)."""
+    cache = kvh.make_cache("contiguous", batch=1, max_len=50, h_kv=1, d=d, dtype=torch.float16, device=kernel_device)
+    kvh.fill(cache, 0, [50], dtype=torch.float16, seed=seed, prefill=50)
+    q = randn(1, 2, d, dtype=torch.float16, seed=seed + 3, device=kernel_device)
+    kvh.check_decode(decode_attention(q, cache, 0, num_splits=3), q, cache, 0)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_paged_gives_the_contiguous_result(kvh, kernel_device, seed, block_size):
     lengths = [23, 1, 0, 40]

@@ -187,6 +187,8 @@ def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkey
 
     monkeypatch.setattr(kv_ops, "_MEASURED_SPLITS", {})
     monkeypatch.setattr(kv_ops, "_MEASURED_PROGRAMS_PER_SM", {})
+    # (a suite run with KERNEL_LAB_KVCACHE_AUTOTUNE=0, which turns the measurement off)
+    monkeypatch.delenv("KERNEL_LAB_KVCACHE_AUTOTUNE", raising=False)
     timed = []  # the split measurements (the autotuner's own timings pass quantiles)
     do_bench = triton.testing.do_bench
 

@@ -303,14 +303,14 @@ def _decode_merge_kernel(
     H_Q, T_Q, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # One program per (b, head, query token): the logsumexp-weighted mean of its splits,
-    # o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+    # One program per (b, head, query token) and BLOCK_D columns of the head: the
+    # logsumexp-weighted mean of its splits, o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
     pid = tl.program_id(0).to(tl.int64)
     t = pid % T_Q
     h = (pid // T_Q) % H_Q
     b = pid // (T_Q * H_Q)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
     lse = tl.load(lse_part_ptr + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)

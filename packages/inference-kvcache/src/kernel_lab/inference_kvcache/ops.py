@@ -39,6 +39,8 @@ MAX_BLOCK_M = 64
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
+# Fewest head-dim columns a program of the split merge takes (see _DecodePlan).
+MERGE_MIN_BLOCK_D = 32
 # Programs per SM of the split counts timed by the first CUDA decode of a class of decodes
 # (see _measured_num_splits): whole waves of the configs' residency (2 to 4 programs fit an
 # SM) and two waves of 4.
@@ -528,7 +530,14 @@ class _DecodePlan:
         self.part_numel = bsz * h_q * t_q * num_splits * d
         self.lse_numel = bsz * h_q * t_q * num_splits
         self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
-        self.merge_grid = (bsz * h_q * t_q, 1, 1)
+        # The merge reads every split's partial output of its query: few queries (B = 1) leave
+        # most SMs idle with one program each, so their head dims are cut into chunks of at
+        # least MERGE_MIN_BLOCK_D until the programs cover the SMs.
+        rows = bsz * h_q * t_q
+        merge_block_d = runtime.next_power_of_2(d)
+        while merge_block_d > MERGE_MIN_BLOCK_D and rows * (runtime.next_power_of_2(d) // merge_block_d) < c.sm_count():
+            merge_block_d //= 2
+        self.merge_grid = (rows, runtime.cdiv(d, merge_block_d), 1)
         # Autotune keys: the split length as a power of two and the number of programs in
         # half-octave steps, so a 128k-token single sequence and a batch of 64 short ones may
         # pick different tiles, and so may 264 and 392 programs (2 and 3 per SM of an H200).
@@ -541,7 +550,7 @@ class _DecodePlan:
             "QUANT": c.quant, "FP16_MMA": c.quant and dtype == torch.bfloat16, "SPLIT": self.split,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         }
-        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": runtime.next_power_of_2(d),
+        self.merge_meta = {"HEAD_DIM": d, "BLOCK_D": merge_block_d,
                            "BLOCK_S": runtime.next_power_of_2(num_splits), "num_warps": 4}
         # Everything the autotuner's key is made of (its key arguments and the dtypes of the
         # tensor arguments), and more: the config it picks for this key is reused (_launch_tuned).
