@@ -630,6 +630,7 @@ def _matmul_tma_persistent_kernel(
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,  # store the tile as two halves: less shared memory, one more stage
+    FLATTEN: tl.constexpr,  # let the pipeliner flatten the tile and K loops into one (see the configs)
 ):
     """Hopper: the same product as `_matmul_kernel` with tensor-memory-accelerator (TMA) loads and
     stores and a persistent grid (one program per SM walking the output tiles), so the
@@ -643,7 +644,7 @@ def _matmul_tma_persistent_kernel(
     # A second tile counter for the epilogue (as in Triton's persistent tutorial), so that the
     # pipeliner does not carry one value from the prologue to the epilogue.
     tile_id_c = start_pid - NUM_SMS
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -761,9 +762,9 @@ def _tma_block_shapes(nargs):
     nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
-def _tma_cfg(bm, bn, bk, stages, warps, subtile):
+def _tma_cfg(bm, bn, bk, stages, warps, subtile, flatten=True):
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": subtile},
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": subtile, "FLATTEN": flatten},
         num_stages=stages, num_warps=warps, pre_hook=_tma_block_shapes,
     )
 
@@ -777,15 +778,17 @@ TMA_CONFIGS = [
 ]
 # float8 with the float32 promotion after every BLOCK_K (see _matmul_kernel): the promotion keeps a
 # second (BLOCK_M, BLOCK_N) float32 accumulator live and adds it into the first once a tile,
-# which 128x256 tiles pay for most. H200 sweep (M8192 N8192 K8192 and M4096 N14336 K4096, tiles
-# {128x256, 256x128, 128x128} x BLOCK_K {64, 128} x stages x warps, promotion every 64 or 128):
-# 256x128x128 over 8 warps with 3 stages led both shapes, 962 / 505 us against 1312 / 760 us for
-# the best of the earlier 128x256 / 128x128 list; without the promotion (torch's fast
+# which 128x256 tiles pay for most. H200 sweeps (M8192 N8192 K8192 and M4096 N14336 K4096, tiles
+# {128x256, 256x128, 128x128} x BLOCK_K {64, 128} x stages x warps x sub-tiled epilogue x GROUP_M
+# {4, 8, 16} x flattened loops, promotion every 64 or 128): 256x128x128 over 8 warps with 4
+# stages, the sub-tiled epilogue (without it 4 stages do not fit) and the loops left unflattened
+# led both shapes, 973 / 509 us against 1312 / 760 us for the best of the earlier 128x256 /
+# 128x128 list (flattened, as the bf16 configs are); without the promotion (torch's fast
 # accumulation, 3x the error) 128x256 tiles took 768 / 399 us.
 FP8_TMA_CONFIGS = [
-    _tma_cfg(256, 128, 128, 3, 8, False),
+    _tma_cfg(256, 128, 128, 4, 8, True, flatten=False),
+    _tma_cfg(256, 128, 128, 3, 8, True, flatten=False),
     _tma_cfg(128, 256, 128, 3, 8, True),
-    _tma_cfg(128, 128, 128, 4, 8, False),
 ]
 TMA_KEY = ["M_BUCKET", "N", "K", "B_KMAJOR", "HAS_SCALE"]
 _matmul_tma_kernel = _autotuned(_matmul_tma_persistent_kernel, TMA_CONFIGS, TMA_KEY)

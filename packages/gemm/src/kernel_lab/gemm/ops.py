@@ -254,7 +254,8 @@ def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None
     sms = runtime.sm_count(a.device)
     args = (a_desc, b_desc, c_desc, bias_arg, sa, sb, m, n, k, _m_bucket(m), stride_sa, stride_sb)
     if a.device.type != "cuda":  # the interpreter (tests): one small config, no autotuning
-        meta = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True)
+        meta = dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True,
+                    FLATTEN=True)
         _tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "B_KMAJOR": b_kmajor, **meta})
         grid = (min(sms, runtime.cdiv(m, INTERPRET_BLOCK) * runtime.cdiv(n, INTERPRET_BLOCK)),)
         _matmul_tma_persistent_kernel[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **meta, **common)
