@@ -35,7 +35,7 @@ from . import runtime
 # of one program, and every SM should have a program. Columns a program are therefore the widest
 # of MAX_BLOCK_N, 32, 16, 8 that still gives each SM one. Fixed 64-column programs (32 of them for
 # 2048 columns, 17 serial steps each over 528 partial rows) took 9.3 us after a 32768 x 2048
-# RMSNorm backward on an H200; the kernel itself took 98.
+# RMSNorm backward on an H200 (the kernel itself 98), these tiles 2.7 (profiler runs).
 MAX_BLOCK_N = 64
 MIN_BLOCK_N = 8
 ELEMENTS = 2048
