@@ -77,7 +77,12 @@ class _BwdPlan:
 # hold more per value, and fewer values a thread keep them from spilling.
 RMS_BWD = _BwdPlan(32, 4096, 16)
 RESIDUAL_RMS_BWD = _BwdPlan(8, 4096, 32)  # + du
-GATED_RMS_BWD = _BwdPlan(16, 4096, 16)  # + gate, dgate
+# + gate, dgate: one 2048-column row a program (2 before) and up to 32 warps per SM (16 before).
+# A later H200 sweep of nine plans (kernel launches back to back, bf16, 2**26 elements): 215 against
+# 246 us at 32768 x 2048, level at 16384 x 4096 (248 us) and 8192 x 8192 (300-303 us), where the
+# kernel stays at about 2.2-2.7 TB/s whatever the plan (not profiled further: it is the one
+# variant that evaluates a sigmoid per element, on both of its passes over the row).
+GATED_RMS_BWD = _BwdPlan(16, 2048, 32)
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
 # ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
