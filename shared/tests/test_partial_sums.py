@@ -15,12 +15,13 @@ from kernel_lab.shared import partial_sums
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("n_rows, n_cols", [(1, 1), (33, 65), (70, 200), (5, 4096)])
+@pytest.mark.parametrize("n_rows, n_cols", [(1, 1), (33, 65), (70, 200), (5, 4096), (300, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_sum_partials_matches_float64_sums(kernel_device, seed, n_rows, n_cols, dtype):
-    """Rows past one BLOCK_M step and columns past one BLOCK_N block, both with masked tails. The
-    kernel sums in float32, so the budget is float32's rounding over n_rows terms, plus half an
-    ulp of the cast to dtype."""
+    """Rows past one BLOCK_M step and columns past one BLOCK_N block, both with masked tails, in
+    column blocks of 64 down to the narrowest (8 at 300 x 20: fewer blocks than SMs even then).
+    The kernel sums in float32, so the budget is float32's rounding over n_rows terms, plus half
+    an ulp of the cast to dtype."""
     gen = torch.Generator(kernel_device).manual_seed(seed)
     partials = torch.randn((n_rows, n_cols), device=kernel_device, generator=gen)
     out = partial_sums.sum_partials(partials, dtype)
