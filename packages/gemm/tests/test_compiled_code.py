@@ -97,8 +97,7 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n, num_
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
     constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
-                      BLOCK_M=16,
-                      BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
+                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, num_warps, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
     weights_per_thread = block_n * 128 / (num_warps * 32)

@@ -240,6 +240,14 @@ def _biased_code_floats(codes, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
 
 
 @triton.jit
+def _biased_zero(zero, SIGNED: tl.constexpr):
+    """What _biased_code_floats adds to a code, plus the zero point: 2^23 + zero (uint8 codes) or
+    2^23 + 128 + zero (int8, flipped into a byte), as float32 (exact: below 2^24)."""
+    bias: tl.constexpr = 8388736.0 if SIGNED else 8388608.0
+    return zero.to(tl.float32) + bias
+
+
+@triton.jit
 def _int8_weights(q, zero, dtype: tl.constexpr, SIGNED: tl.constexpr, USE_PRMT: tl.constexpr):
     """code - zero of an int8 (SIGNED, zero 0) / uint8 code tile as exact `dtype` values
     (|code - zero| <= 255). zero: int32, broadcastable against q.
@@ -249,8 +257,7 @@ def _int8_weights(q, zero, dtype: tl.constexpr, SIGNED: tl.constexpr, USE_PRMT: 
     int8 -> bfloat16 cast is one I2F per code, which issues at a quarter of the FMA rate on
     Hopper: at 16 codes per SM per cycle it alone needs as long as an H200 takes to read the codes
     (about 16 bytes per SM per cycle), and it held the M = 16 decode below cuBLAS bf16."""
-    bias: tl.constexpr = 8388736.0 if SIGNED else 8388608.0  # 2^23 + 128 (the signed flip) or 2^23
-    return (_biased_code_floats(q, SIGNED, USE_PRMT) - (zero.to(tl.float32) + bias)).to(dtype)
+    return (_biased_code_floats(q, SIGNED, USE_PRMT) - _biased_zero(zero, SIGNED)).to(dtype)
 
 
 @triton.jit
@@ -420,9 +427,9 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_k[None, :] * stride_xk
     g_ptrs = g_ptr + offs_k[None, :]
     if HAS_ZEROS:
-        code_offset = tl.load(zeros_ptr + offs_wn * stride_sn).to(tl.float32) + 8388608.0  # 2^23 + zero
+        code_offset = _biased_zero(tl.load(zeros_ptr + offs_wn * stride_sn), False)
     else:
-        code_offset = tl.zeros((BLOCK_N,), dtype=tl.float32) + 8388736.0  # 2^23 + 128
+        code_offset = _biased_zero(tl.zeros((BLOCK_N,), dtype=tl.int32), True)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     ssq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
