@@ -57,14 +57,26 @@ ROWS_TILE = 2048
 # The price is latency on inputs of one wave of programs (4 x 1M, 32 x 128k, 64 x 64k): 10.0 to
 # 10.7 us of GPU time against 8.9 to 9.6 (CUDA-graph replays), where an eager call took 27 us
 # (4 x 1M and 32 x 128k in history 0063: host time, not the kernel, sets that).
-# Tried there and slower: 64-bit statistic words polled without the release/acquire pair;
-# programs that keep a row's gang together and prefetch their next row's chunk during the wait;
+# Since 0.2.5 the statistics travel as one 64-bit word per chunk, written by a relaxed atomic
+# exchange, with a relaxed per-row arrival count to spin on (_coop_publish_and_gather): no
+# release fence, no load of the statistics after the wait. H200 bf16, both protocols' kernels
+# alternated in one process (five rounds): forward 4096 x 32768 166.1 -> 151.0 us, 1024 x 131072
+# 164.5 -> 156.0 (fp16 163.0 -> 147.8 and 161.5 -> 153.2); backward 1024 x 131072 227.3 -> 219.8,
+# log-softmax 242.2 -> 228.7 (the new one's figures from a second run on the same lease; 4 warps
+# instead of 8 were level on softmax and 11% slower on log-softmax). What the synchronisation
+# still costs: without any wait (wrong results, same bytes) the forward took 141.5 us at 1024 x
+# 131072, against 139.8 for one read and one write without the second pass.
+# Tried there and slower: spinning on the words from every warp instead of on a count; a
+# persistent grid (with or without taking the next ticket before the wait); the second pass of
+# a chunk done by the program `lag` tickets later (no wait; slower at lags of 64 to 2048
+# chunks); an L2 prefetch of the chunk at start; pipelined loads (tl.range num_stages 2-4);
 # chunks held in bfloat16 (the compiler keeps the float32 copy); 32768-column chunks.
+# Thread-block clusters (num_ctas > 1) do not compile with these reductions (triton 3.6).
 # The backward (y and dy: twice the bytes per column) keeps its chunk in registers from load to
 # store; reading it twice was slower there (81.7% of copy bandwidth against 83.0% at 1024 x
 # 131072). Tiles, H200 bf16 sweeps: the forward's the best of chunks {8K .. 64K} x steps {4K,
-# 8K} x {4, 8} warps at 32k and 128k columns, the backward's of chunks {4K, 8K, 16K} x {4, 8,
-# 16} warps.
+# 8K} x {4, 8} warps at 32k and 128k columns, the backward's of chunks {4K, 8K, 16K} x {4, 8}
+# warps (and 16 with the release/acquire protocol).
 COOP_CHUNK = 16384
 COOP_BLOCK_N = 8192
 COOP_NUM_WARPS = 4
@@ -161,13 +173,13 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def _coop_workspace(n_rows: int, n_splits: int, n_stats: int, device: torch.device) -> torch.Tensor:
-    """The cooperative kernels' scratch, zeroed: int32 sync counters (1 + n_rows: the ticket,
-    then one arrival count per row) and `n_stats` float32 (n_rows, n_splits) arrays of chunk
-    statistics, in one allocation the kernel slices itself (`_coop_stats`): one zero-fill
-    launch and no view ops on the host path.
+def _coop_workspace(n_rows: int, n_splits: int, device: torch.device) -> torch.Tensor:
+    """The cooperative kernels' scratch, zeroed, int32: the ticket counter and a padding word, an
+    arrival count per row (n_rows rounded up to even), then one int64 statistics word per chunk
+    (n_rows x n_splits); the kernels slice it themselves (`_coop_publish_and_gather`): one
+    zero-fill launch and no view ops on the host path.
     """
-    return torch.zeros(1 + n_rows + n_stats * n_rows * n_splits, dtype=torch.int32, device=device)
+    return torch.zeros(2 + (n_rows + 1) // 2 * 2 + 2 * n_rows * n_splits, dtype=torch.int32, device=device)
 
 
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
@@ -190,7 +202,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        work = _coop_workspace(n_rows, plan.n_splits, 2, x.device)
+        work = _coop_workspace(n_rows, plan.n_splits, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, BLOCK_N=min(COOP_BLOCK_N, plan.chunk),
@@ -235,7 +247,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        work = _coop_workspace(n_rows, plan.n_splits, 1, y.device)
+        work = _coop_workspace(n_rows, plan.n_splits, y.device)
         runtime.launchable(_softmax_bwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
