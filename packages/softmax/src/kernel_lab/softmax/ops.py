@@ -70,13 +70,14 @@ ROWS_TILE = 2048
 # persistent grid (with or without taking the next ticket before the wait); the second pass of
 # a chunk done by the program `lag` tickets later (no wait; slower at lags of 64 to 2048
 # chunks); an L2 prefetch of the chunk at start; pipelined loads (tl.range num_stages 2-4);
-# chunks held in bfloat16 (the compiler keeps the float32 copy); 32768-column chunks.
+# chunks held in bfloat16 (the compiler keeps the float32 copy), or only their second step
+# (reading the first again); 32768-column chunks.
 # Thread-block clusters (num_ctas > 1) do not compile with these reductions (triton 3.6).
 # The backward (y and dy: twice the bytes per column) keeps its chunk in registers from load to
 # store; reading it twice was slower there (81.7% of copy bandwidth against 83.0% at 1024 x
-# 131072). Tiles, H200 bf16 sweeps: the forward's the best of chunks {8K .. 64K} x steps {4K,
-# 8K} x {4, 8} warps at 32k and 128k columns, the backward's of chunks {4K, 8K, 16K} x {4, 8}
-# warps (and 16 with the release/acquire protocol).
+# 131072; with the 64-bit words 78.7% against 87.1%). Tiles, H200 bf16 sweeps: the forward's
+# the best of chunks {8K .. 64K} x steps {4K, 8K} x {4, 8} warps at 32k and 128k columns, the
+# backward's of chunks {4K, 8K, 16K} x {4, 8} warps (and 16 with the release/acquire protocol).
 COOP_CHUNK = 16384
 COOP_BLOCK_N = 8192
 COOP_NUM_WARPS = 4
