@@ -1,4 +1,5 @@
-"""The norms kernels do their math in float32 whatever type their float arguments arrive in.
+"""The norms kernels do their math in float32 whatever type their float arguments arrive in, and
+the cooperative forwards synchronise without a memory fence.
 
 torch.compile (inductor) passes a Python float argument (eps, offset) to a user kernel as
 float64, where an eager launch passes float32. Without the kernels' cast, float64 scalars promote
@@ -34,17 +35,40 @@ CASES = {  # kernel: (its float arguments, constexprs)
     "_rms_norm_bwd_wide_kernel": (("offset",), dict(FLAGS, HAS_DU=True, BLOCK_N=4096)),
     "_layer_norm_fwd_kernel": (("eps",), dict(HAS_WEIGHT=True, HAS_BIAS=True, ONE_TILE=True, BLOCK_M=2,
                                               BLOCK_N=2048)),
+    "_rms_norm_fwd_coop_kernel": (("eps", "offset"), dict(FLAGS, HAS_RESIDUAL=True, CHUNK=16384, BLOCK_N=8192,
+                                                          SPLITS_POW2=4)),
+    "_layer_norm_fwd_coop_kernel": (("eps",), dict(HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=16384, BLOCK_N=8192,
+                                                   SPLITS_POW2=4)),
 }
+COOP_KERNELS = [name for name in CASES if "coop" in name]
+
+
+def _pointer_types(kernel) -> dict:
+    return {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "dot_ptr")
+            else "*bf16" for a in kernel.arg_names if a.endswith("_ptr")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_float64_scalar_arguments_leave_no_float64_math(name):
     kernel = getattr(_kernels, name)
     floats, constexprs = CASES[name]
-    types = {a: "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "dot_ptr") else "*bf16"
-             for a in kernel.arg_names if a.endswith("_ptr")}
+    types = _pointer_types(kernel)
     types.update(dict.fromkeys(floats, "fp64"))
     compiled = testing.compile_for_sm90(kernel, types, constexprs, num_warps=8, num_stages=1)
     f64 = re.findall(r"\b[\w.]*\.f64\b", compiled.asm["ptx"])
     # the one conversion per float argument (f64 -> f32) is all that may remain
     assert all(op.startswith("cvt.") for op in f64) and len(f64) <= len(floats), f64
+
+
+@pytest.mark.parametrize("name", COOP_KERNELS)
+def test_cooperative_forward_synchronises_without_a_fence(name):
+    """The cooperative forwards exchange their chunk statistics as kernel_lab.shared.coop
+    describes: relaxed atomics (ticket, arrival count, the word's exchange), no memory fence."""
+    kernel = getattr(_kernels, name)
+    floats, constexprs = CASES[name]
+    types = _pointer_types(kernel)
+    types.update(dict.fromkeys(floats, "fp32"))
+    ptx = testing.compile_for_sm90(kernel, types, constexprs, num_warps=4, num_stages=3).asm["ptx"]
+    atomics = sorted(set(re.findall(r"\batom\.[\w.]+", ptx)))
+    assert atomics == ["atom.global.gpu.relaxed.add.u32", "atom.global.gpu.relaxed.exch.b64"], atomics
+    assert not re.search(r"\b(fence|membar)\.", ptx), "a memory fence in the cooperative kernel"

@@ -30,7 +30,9 @@ def _forget_recipes(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Shrink the thresholds so small rows take the looped forward and the wide backward."""
+    """Shrink the thresholds so small rows take the long-row paths: the looped forward (the
+    interpreter) or the cooperative one (CUDA: `loop_block`-column chunks, two steps each), and
+    the wide backward."""
 
     def shrink(max_fused: int, loop_block: int) -> None:
         _forget_recipes(monkeypatch)
@@ -39,6 +41,8 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "LAYER_NORM_BWD_MAX_FUSED_COLS", max_fused)
         for loop in ("RMS_LOOP", "LAYER_NORM_LOOP", "RMS_WIDE", "LAYER_NORM_WIDE"):
             monkeypatch.setattr(ops, loop, ops._Loop(loop_block, 2, 4))
+        for coop in ("RMS_FWD_COOP", "LAYER_NORM_FWD_COOP"):
+            monkeypatch.setattr(ops, coop, ops._Coop(loop_block, loop_block // 2, 1))
 
     return shrink
 
@@ -240,6 +244,24 @@ def test_zero_size_inputs(op, shape, kernel_device, seed):
 def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,
                          shift=2.0 if op == "layer_norm" else 0.0)
+    check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_cooperative_forward_matches_reference(op, seed):
+    """Rows past 16384 columns run the cooperative forward on CUDA: chunks across programs that
+    exchange their statistics (kernel_lab.shared.coop). An odd length (a short last chunk), far
+    more programs than fit the GPU at once (1000 rows x 7 chunks of 8192), strided rows, and
+    whole chunks of zeros in every row (LayerNorm's chunk then publishes mean 0, m2 0)."""
+    n_rows, n_cols = 1000, 50001
+    for c in (ops.RMS_FWD_COOP, ops.LAYER_NORM_FWD_COOP):
+        assert ops._fwd_coop_splits(n_cols, torch.device("cuda"), c) == runtime.cdiv(n_cols, c.chunk) > 1
+    inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=torch.float32)
+    inputs["x"][:, 16384:32768] = 0
+    padded = torch.full((n_rows, n_cols + 7), float("nan"), dtype=torch.bfloat16, device="cuda")
+    padded[:, :n_cols] = inputs["x"]
+    inputs["x"] = padded[:, :n_cols]  # NaN padding: a read past the row would show
     check_op(op, inputs, eps=1e-5, seed=seed)
 
 

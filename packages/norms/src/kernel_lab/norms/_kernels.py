@@ -8,7 +8,10 @@ Forward, one kernel per family:
 Each runs in one of two shapes (ONE_TILE): a row that fits in registers is read once, BLOCK_M
 rows per program; a longer row is looped over twice (statistics, then output), one row at a
 time per program, the rows strided over a grid the launcher may cap at a few programs per SM
-so that the second read of the rows in flight is served from L2.
+so that the second read of the rows in flight is served from L2. On CUDA a longer row takes
+the third shape instead, `*_fwd_coop_kernel`: the row is cut into chunks across programs that
+exchange their statistics (kernel_lab.shared.coop) and each read their chunk twice, the second
+time from L2, so that many programs share each row.
 
 Backward, two kernels per family:
 - `*_bwd_kernel`: a row fits in registers. A persistent grid (a few programs per SM) walks
@@ -31,6 +34,8 @@ add nothing to any sum.
 import triton
 import triton.language as tl
 
+from kernel_lab.shared.coop import coop_publish_and_gather, coop_ticket, coop_word_hi, coop_word_lo
+
 # FLOAT_ARGUMENTS_NOTE: inductor passes a Python float argument (eps, offset) to a user kernel
 # as float64, where an eager launch passes float32; float64 scalars would promote the per-element
 # math to float64 (offline sm_90 compile of the RMSNorm forward: 100 f64 PTX instructions
@@ -47,11 +52,14 @@ def _rms_load_input(
     stride_x_row, stride_res_row, stride_u_row,
     HAS_RESIDUAL: tl.constexpr,
     STORE_U: tl.constexpr,  # write u = x + residual (the first pass over the row only)
+    EVICTION: tl.constexpr,  # L2 eviction policy of the loads ("": the default)
 ):
     """The [BLOCK_M, BLOCK_N] tile the norm is taken of, in float32: x, or x + residual."""
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy=EVICTION)
         x += r.to(tl.float32)
         if STORE_U:
             u_ptrs = u_ptr + rows[:, None] * stride_u_row + cols[None, :]
@@ -99,7 +107,7 @@ def _rms_norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
-                            stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
+                            stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True, EVICTION="")
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
                           stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
@@ -116,7 +124,7 @@ def _rms_norm_fwd_kernel(
                 cols = off + tl.arange(0, BLOCK_N)
                 mask = (cols < n_cols)[None, :]
                 x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
-                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True)
+                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True, EVICTION="")
                 acc += x * x
             rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
             for off in range(0, n_cols, BLOCK_N):
@@ -125,10 +133,61 @@ def _rms_norm_fwd_kernel(
                 # re-add x + residual rather than re-read the rounded u: the same float32 values
                 # as the one-tile path, so the result does not depend on the row length
                 x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
-                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False)
+                                    stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False, EVICTION="")
                 _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
                                   stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
             tl.store(rstd_ptr + rows, rstd)
+
+
+@triton.jit
+def _rms_norm_fwd_coop_kernel(
+    x_ptr, res_ptr, gate_ptr, w_ptr, y_ptr, u_ptr, rstd_ptr,  # as _rms_norm_fwd_kernel's
+    n_rows, n_cols, eps, offset,
+    stride_x_row, stride_res_row, stride_gate_row, stride_y_row, stride_u_row,
+    sync_ptr,  # kernel_lab.shared.coop.workspace
+    n_splits,  # chunks per row
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program
+    BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
+    SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+):
+    """The forward of a row too long for one program, in one launch (CUDA only): each program
+    takes one CHUNK of a row (kernel_lab.shared.coop), sums its squares, publishes the sum,
+    waits for the row's other chunks and writes its chunk. It reads the chunk twice, the first
+    time keeping the lines in L2 (evict_last) so that the second read comes from there: x (and
+    the residual) leave HBM once."""
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
+    row, split = coop_ticket(sync_ptr, n_splits)
+    rows = row + tl.arange(0, 1)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n_cols)
+    # each step's sum of squares reduced at once (the looped kernel's elementwise accumulator
+    # would hold BLOCK_N more float32 values a program: fewer programs per SM, 10% slower at
+    # 1024 x 65536 on an H200)
+    sum_sq = tl.zeros([1], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < end)[None, :]
+        x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask, stride_x_row, stride_res_row, stride_u_row,
+                            HAS_RESIDUAL, True, EVICTION="evict_last")
+        sum_sq += tl.sum(x * x, axis=1)
+    # hi = 1.0 keeps the word non-zero whatever the chunk's sum
+    words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.sum(sum_sq, axis=0),
+                                    tl.full([], 1.0, tl.float32), SPLITS_POW2)
+    row_sum_sq = tl.sum(tl.where(tl.arange(0, SPLITS_POW2) < n_splits, coop_word_lo(words), 0.0), axis=0)
+    rstd = tl.rsqrt(row_sum_sq / n_cols + eps) + tl.zeros([1], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < end)[None, :]
+        x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask, stride_x_row, stride_res_row, stride_u_row,
+                            HAS_RESIDUAL, False, EVICTION="evict_first")
+        _rms_store_output(x, rstd, w_ptr, gate_ptr, y_ptr, rows, cols, mask, n_cols, offset,
+                          stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
+    if split == 0:
+        tl.store(rstd_ptr + rows, rstd)
 
 
 @triton.jit
@@ -295,6 +354,29 @@ def _layer_norm_store_output(
 
 
 @triton.jit
+def _layer_norm_range_stats(x_ptr, rows, start, end, stride_x_row, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr):
+    """(mean, m2) of x[row, start:end] (rows: [1]), each [1]: one pass of BLOCK_N-column steps
+    merged with Chan et al.'s parallel Welford update, each step contributing its own mean and
+    centred sum of squares (m2)."""
+    mean = tl.zeros([1], tl.float32)
+    m2 = tl.zeros([1], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy=EVICTION).to(tl.float32)
+        n_seen = (off - start) * 1.0  # every earlier step was full
+        n_step = tl.minimum(end - off, BLOCK_N) * 1.0
+        step_mean = tl.sum(x, axis=1) / n_step
+        xc = tl.where(mask, x - step_mean[:, None], 0.0)
+        delta = step_mean - mean
+        n_total = n_seen + n_step
+        mean += delta * (n_step / n_total)
+        m2 += tl.sum(xc * xc, axis=1) + delta * delta * (n_seen * n_step / n_total)
+    return mean, m2
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr,
     y_ptr, mean_ptr, rstd_ptr,  # mean, rstd: (n_rows,) float32
@@ -328,23 +410,7 @@ def _layer_norm_fwd_kernel(
     else:
         for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
             rows = (row + tl.arange(0, 1)).to(tl.int64)
-            # one pass of chunk statistics merged with Chan et al.'s parallel Welford update:
-            # each chunk contributes its own mean and centred sum of squares (m2)
-            mean = tl.zeros([1], tl.float32)
-            m2 = tl.zeros([1], tl.float32)
-            for off in range(0, n_cols, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = (cols < n_cols)[None, :]
-                x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
-                x = x.to(tl.float32)
-                n_seen = off * 1.0  # every earlier chunk was full
-                n_chunk = tl.minimum(n_cols - off, BLOCK_N) * 1.0
-                chunk_mean = tl.sum(x, axis=1) / n_chunk
-                xc = tl.where(mask, x - chunk_mean[:, None], 0.0)
-                delta = chunk_mean - mean
-                n_total = n_seen + n_chunk
-                mean += delta * (n_chunk / n_total)
-                m2 += tl.sum(xc * xc, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
+            mean, m2 = _layer_norm_range_stats(x_ptr, rows, 0, n_cols, stride_x_row, BLOCK_N, "")
             rstd = tl.rsqrt(m2 / n_cols + eps)
             for off in range(0, n_cols, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
@@ -354,6 +420,53 @@ def _layer_norm_fwd_kernel(
                                          n_cols, stride_y_row, HAS_WEIGHT, HAS_BIAS)
             tl.store(mean_ptr + rows, mean)
             tl.store(rstd_ptr + rows, rstd)
+
+
+@triton.jit
+def _layer_norm_fwd_coop_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,  # as _layer_norm_fwd_kernel's
+    n_rows, n_cols, eps,
+    stride_x_row, stride_y_row,
+    sync_ptr,  # kernel_lab.shared.coop.workspace
+    n_splits,  # chunks per row
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    """As _rms_norm_fwd_coop_kernel, for LayerNorm: a chunk publishes its mean and m2, merged
+    over the row's chunks with the parallel Welford formula."""
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    eps = tl.cast(eps, tl.float32)
+    row, split = coop_ticket(sync_ptr, n_splits)
+    rows = row + tl.arange(0, 1)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n_cols)
+    chunk_mean, chunk_m2 = _layer_norm_range_stats(x_ptr, rows, start, end, stride_x_row, BLOCK_N, "evict_last")
+    # m2 (>= 0) goes with its sign bit set, which keeps the word non-zero where the chunk's mean
+    # and m2 are both +0.0 (a bit operation: -m2 would be 0.0 - m2, +0.0 again)
+    m2_bits = tl.sum(chunk_m2, axis=0).to(tl.int32, bitcast=True) | -2147483648
+    words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.sum(chunk_mean, axis=0),
+                                    m2_bits.to(tl.float32, bitcast=True), SPLITS_POW2)
+    idx = tl.arange(0, SPLITS_POW2)
+    n_chunk = tl.where(idx < n_splits, tl.minimum(n_cols - idx * CHUNK, CHUNK), 0) * 1.0
+    means = coop_word_lo(words)
+    mean = tl.sum(n_chunk * means, axis=0) / n_cols
+    delta = tl.where(idx < n_splits, means - mean, 0.0)
+    m2 = tl.sum(tl.where(idx < n_splits, tl.abs(coop_word_hi(words)), 0.0) + n_chunk * delta * delta, axis=0)
+    mean = mean + tl.zeros([1], tl.float32)
+    rstd = tl.rsqrt(m2 / n_cols + eps) + tl.zeros([1], tl.float32)
+    for off in range(start, end, BLOCK_N):
+        cols = off + tl.arange(0, BLOCK_N)
+        mask = (cols < end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        _layer_norm_store_output(x.to(tl.float32), mean, rstd, w_ptr, b_ptr, y_ptr, rows, cols, mask, n_cols,
+                                 stride_y_row, HAS_WEIGHT, HAS_BIAS)
+    if split == 0:
+        tl.store(mean_ptr + rows, mean)
+        tl.store(rstd_ptr + rows, rstd)
 
 
 @triton.jit

@@ -5,22 +5,13 @@ Four shapes of work, forward and backward alike:
 - `*_rows_kernel`: a row fits in registers (n_cols <= MAX_FUSED_COLS in ops.py). One program
   takes BLOCK_M whole rows: one read, one write, the minimum traffic.
 - `*_coop_kernel` (CUDA only): a row too long for one program's registers is cut into chunks,
-  one program per chunk, and the programs of a row cooperate: each publishes its chunk's
-  statistics, waits until all chunks of its row have, merges them and writes its chunk. The
-  backward holds its chunk in registers from load to store; the forward reads its chunk twice,
-  keeping the lines in L2 on the first read (evict_last) so that the second read comes from L2:
-  one read of HBM and one write, whatever the row length, in one launch. Waiting on another
-  program is only safe if that program is running or will surely run: programs take their
-  (row, chunk) from a ticket counter (an atomic increment at start), so every ticket below ours
-  belongs to a program already running, and a row's chunks are consecutive tickets. Rows whose
-  chunks all hold tickets finish and free their SMs, so the one partly started row always gets
-  the rest of its programs as long as a row has no more chunks than the GPU has SMs (ops.py
-  enforces it). The interpreter runs programs one after another, where a wait would never end:
-  it takes the next two paths instead.
-  A chunk's statistics travel as one 64-bit word written by one atomic exchange, never 0, so a
-  word that reads non-zero is whole: no memory fence (a release costs a round trip to L2 per
-  program, under full memory load the largest part of the wait) and no separate load of the
-  statistics after the wait (`_coop_publish_and_gather`).
+  one program per chunk, and the programs of a row cooperate (`kernel_lab.shared.coop`: tickets,
+  forward progress, the statistics exchange): each publishes its chunk's statistics, waits until
+  all chunks of its row have, merges them and writes its chunk. The backward holds its chunk in
+  registers from load to store; the forward reads its chunk twice, keeping the lines in L2 on
+  the first read (evict_last) so that the second read comes from L2: one read of HBM and one
+  write, whatever the row length, in one launch. The interpreter, where a wait would never end,
+  takes the next two paths instead.
 - `*_looped_kernel`: a row too long for the cooperative kernel, many rows. One program per row
   loops over it twice (statistics, then output): the row is read twice, 1.5x the minimum traffic.
 - `*_partial_kernel` + `*_split_kernel`: the same with too few rows to fill the GPU. Each row is
@@ -35,6 +26,8 @@ kernels' sources into its generated code, and a module-level constant does not t
 
 import triton
 import triton.language as tl
+
+from kernel_lab.shared.coop import coop_publish_and_gather, coop_ticket, coop_word_hi, coop_word_lo
 
 
 @triton.jit
@@ -120,57 +113,9 @@ def _merge_chunk_stats(part_m, part_s):
 
 
 @triton.jit
-def _coop_ticket(sync_ptr, n_splits):
-    """(row, split) of this program, in the order programs started (see the module docstring)."""
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    return (ticket // n_splits).to(tl.int64), ticket % n_splits
-
-
-@triton.jit
-def _coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, lo, hi, SPLITS_POW2: tl.constexpr):
-    """Publish this chunk's two float32 statistics `lo` and `hi` (scalars, not both +0.0) and
-    return its row's words once all n_splits chunks have published: int64 [SPLITS_POW2],
-    (hi bits) << 32 | (lo bits), 1 in the padding (`_word_lo`, `_word_hi` unpack them).
-
-    sync_ptr: the launch's zeroed int32 workspace (ops._coop_workspace): [0] the ticket counter,
-    [1] padding, then an arrival count per row (n_rows rounded up to even, so that what follows
-    is 8-byte aligned), then the words, (n_rows, n_splits) int64.
-
-    Each word is written by one relaxed atomic exchange and is never 0, so a word that reads
-    non-zero is this chunk's whole: no fence orders it (loads are volatile, from L2). A waiting
-    program spins on its row's count with one thread's atomic, not on the words: every warp
-    polling the words (8 warps, 16 words) took the backward at 1024 x 131072 from 234 to 273 us
-    (H200); the count may arrive before a word does, hence the words' own loop.
-    """
-    words_ptr = (sync_ptr + 2 + (n_rows + 1) // 2 * 2).to(tl.pointer_type(tl.int64)) + row * n_splits
-    lo_bits = lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lo_bits
-    tl.atomic_xchg(words_ptr + split, word, sem="relaxed")
-    count_ptr = sync_ptr + 2 + row
-    arrived = tl.atomic_add(count_ptr, 1, sem="relaxed") + 1
-    while arrived < n_splits:
-        arrived = tl.atomic_add(count_ptr, 0, sem="relaxed")
-    idx = tl.arange(0, SPLITS_POW2)
-    words = tl.load(words_ptr + idx, mask=idx < n_splits, other=1, volatile=True)
-    while tl.min(tl.where(words != 0, 1, 0), axis=0) == 0:
-        words = tl.load(words_ptr + idx, mask=idx < n_splits, other=1, volatile=True)
-    return words
-
-
-@triton.jit
-def _word_lo(words):
-    return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _word_hi(words):
-    return (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _softmax_fwd_coop_kernel(
     x_ptr, y_ptr,
-    sync_ptr,  # int32 zeros: the ticket, arrival counts and statistics words (_coop_publish_and_gather)
+    sync_ptr,  # kernel_lab.shared.coop.workspace: the ticket, arrival counts and statistics words
     n_rows, n_cols, stride_x_row, stride_y_row,
     n_splits,
     LOG: tl.constexpr,
@@ -178,7 +123,7 @@ def _softmax_fwd_coop_kernel(
     BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
 ):
-    row, split = _coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_cols)
     x_row_ptr = x_ptr + row * stride_x_row
@@ -187,11 +132,11 @@ def _softmax_fwd_coop_kernel(
     m, s = _chunk_max_sumexp(x_row_ptr, start, end, BLOCK_N, EVICTION="evict_last")
     # word = (sum bits) << 32 | (max bits), never 0: the sum is >= 1 where the max is finite, and
     # a max of -inf has bits
-    words = _coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.max(m, axis=0),
-                                     tl.sum(s, axis=0), SPLITS_POW2)
+    words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.max(m, axis=0),
+                                    tl.sum(s, axis=0), SPLITS_POW2)
     chunks = tl.arange(0, SPLITS_POW2) < n_splits
-    shift, total = _merge_chunk_stats(tl.where(chunks, _word_lo(words), float("-inf")),
-                                      tl.where(chunks, _word_hi(words), 0.0))
+    shift, total = _merge_chunk_stats(tl.where(chunks, coop_word_lo(words), float("-inf")),
+                                      tl.where(chunks, coop_word_hi(words), 0.0))
     _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, start, end, shift, total, LOG, BLOCK_N,
                       EVICTION="evict_first")
 
@@ -314,7 +259,7 @@ def _softmax_bwd_coop_kernel(
     CHUNK: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
 ):
-    row, split = _coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
     y = tl.load(y_ptr + row * stride_y_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -323,9 +268,9 @@ def _softmax_bwd_coop_kernel(
         part = tl.sum(dy, axis=0)
     else:
         part = tl.sum(y * dy, axis=0)
-    words = _coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, part,
-                                     tl.full([], 1.0, tl.float32), SPLITS_POW2)
-    dot = tl.sum(tl.where(tl.arange(0, SPLITS_POW2) < n_splits, _word_lo(words), 0.0), axis=0)
+    words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, part,
+                                    tl.full([], 1.0, tl.float32), SPLITS_POW2)
+    dot = tl.sum(tl.where(tl.arange(0, SPLITS_POW2) < n_splits, coop_word_lo(words), 0.0), axis=0)
     dx = _grad_from_dot(y, dy, dot, LOG)
     tl.store(dx_ptr + row * stride_dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 

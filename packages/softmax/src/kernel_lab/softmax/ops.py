@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.library import triton_op
 
-from kernel_lab.shared import reference, runtime
+from kernel_lab.shared import coop, reference, runtime
 
 from ._kernels import (
     _softmax_bwd_coop_kernel,
@@ -58,7 +58,7 @@ ROWS_TILE = 2048
 # 10.7 us of GPU time against 8.9 to 9.6 (CUDA-graph replays), where an eager call took 27 us
 # (4 x 1M and 32 x 128k in history 0063: host time, not the kernel, sets that).
 # Since 0.2.5 the statistics travel as one 64-bit word per chunk, written by a relaxed atomic
-# exchange, with a relaxed per-row arrival count to spin on (_coop_publish_and_gather): no
+# exchange, with a relaxed per-row arrival count to spin on (kernel_lab.shared.coop): no
 # release fence, no load of the statistics after the wait. H200 bf16, both protocols' kernels
 # alternated in one process (five rounds): forward 4096 x 32768 166.1 -> 151.0 us, 1024 x 131072
 # 164.5 -> 156.0 (fp16 163.0 -> 147.8 and 161.5 -> 153.2); backward 1024 x 131072 227.3 -> 219.8,
@@ -141,7 +141,7 @@ def _make_plan(
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
-    if on_gpu and n_chunks <= sm_count:  # more chunks than SMs could wait forever (see _kernels.py)
+    if on_gpu and n_chunks <= coop.max_chunks(device):  # more could wait forever (kernel_lab.shared.coop)
         return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
     n_splits = min(runtime.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), runtime.cdiv(n_cols, SPLIT_BLOCK_N))
     if n_splits <= 1:
@@ -174,15 +174,6 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def _coop_workspace(n_rows: int, n_splits: int, device: torch.device) -> torch.Tensor:
-    """The cooperative kernels' scratch, zeroed, int32: the ticket counter and a padding word, an
-    arrival count per row (n_rows rounded up to even), then one int64 statistics word per chunk
-    (n_rows x n_splits); the kernels slice it themselves (`_coop_publish_and_gather`): one
-    zero-fill launch and no view ops on the host path.
-    """
-    return torch.zeros(2 + (n_rows + 1) // 2 * 2 + 2 * n_rows * n_splits, dtype=torch.int32, device=device)
-
-
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
 
@@ -203,7 +194,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        work = _coop_workspace(n_rows, plan.n_splits, x.device)
+        work = coop.workspace(n_rows, plan.n_splits, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, BLOCK_N=min(COOP_BLOCK_N, plan.chunk),
@@ -248,7 +239,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        work = _coop_workspace(n_rows, plan.n_splits, y.device)
+        work = coop.workspace(n_rows, plan.n_splits, y.device)
         runtime.launchable(_softmax_bwd_coop_kernel, traceable)[(n_rows * plan.n_splits,)](
             y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),

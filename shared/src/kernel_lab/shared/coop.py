@@ -1,0 +1,92 @@
+"""Cooperative rows: a row too long for one program is cut into chunks, one program per chunk,
+and the programs of a row exchange per-chunk statistics through global memory in one launch.
+
+A kernel using it (softmax's and the norms' long-row kernels) runs, in each program:
+
+    row, split = coop_ticket(sync_ptr, n_splits)         # which chunk of which row
+    ... first pass over the chunk: its two float32 statistics lo, hi ...
+    words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, lo, hi, SPLITS_POW2)
+    ... merge coop_word_lo(words), coop_word_hi(words) over the chunks, second pass, write ...
+
+Forward progress. Waiting on another program is only safe if that program is running or will
+surely run. Programs take their (row, chunk) from a ticket counter (an atomic increment at
+start), so every ticket below ours belongs to a program already running, and a row's chunks are
+consecutive tickets. Rows whose chunks all hold tickets finish and free their SMs, so the one
+partly started row always gets the rest of its programs as long as a row has no more chunks
+than the GPU has SMs: the launcher must keep n_splits <= the SM count (`max_chunks`). Every
+program publishes before it waits, and publishing never waits. The Triton interpreter runs
+programs one after another, where a wait would never end: launchers use other kernels there.
+
+Exchange. A chunk's two statistics travel as one 64-bit word written by one relaxed atomic
+exchange, (hi bits) << 32 | (lo bits), which the caller keeps non-zero (e.g. a flag of 1.0 in
+hi), so a word that reads non-zero is that chunk's whole: no memory fence orders it (a release
+per program cost about a tenth of softmax's forward at 1024 x 131072 on an H200) and no load of
+the statistics follows the wait. A waiting program spins on its row's arrival count with one
+thread's relaxed atomic, not on the words: every warp polling the words (8 warps, 16 words) took
+softmax's backward at 1024 x 131072 from 234 to 273 us; the count may arrive before a word
+does, hence the words' own loop.
+
+Kernels import the helpers by name (`from kernel_lab.shared.coop import coop_ticket, ...`), as
+torch.compile copies a user kernel's source with the jit functions it names.
+
+Needs triton (a kernel package's dependency); `kernel_lab.shared` itself does not import it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+
+
+def max_chunks(device: torch.device) -> int:
+    """The most chunks a row may be cut into on `device` (see the module docstring)."""
+    return runtime.sm_count(device)
+
+
+def workspace(n_rows: int, n_splits: int, device: torch.device) -> torch.Tensor:
+    """A launch's zeroed int32 scratch: the ticket counter and a padding word, an arrival count
+    per row (n_rows rounded up to even, so that what follows is 8-byte aligned), then one int64
+    word per chunk (n_rows x n_splits); the kernel slices it itself: one zero-fill launch and no
+    view ops on the host path."""
+    return torch.zeros(2 + (n_rows + 1) // 2 * 2 + 2 * n_rows * n_splits, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def coop_ticket(sync_ptr, n_splits):
+    """(row, split) of this program, in the order programs started: row int64."""
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    return (t // n_splits).to(tl.int64), t % n_splits
+
+
+@triton.jit
+def coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, lo, hi, SPLITS_POW2: tl.constexpr):
+    """Publish this chunk's float32 scalars `lo` and `hi` (not both +0.0) and return its row's
+    words once all n_splits chunks have published: int64 [SPLITS_POW2], 1 in the padding."""
+    words_ptr = (sync_ptr + 2 + (n_rows + 1) // 2 * 2).to(tl.pointer_type(tl.int64)) + row * n_splits
+    lo_bits = lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lo_bits
+    tl.atomic_xchg(words_ptr + split, word, sem="relaxed")
+    count_ptr = sync_ptr + 2 + row
+    arrived = tl.atomic_add(count_ptr, 1, sem="relaxed") + 1
+    while arrived < n_splits:
+        arrived = tl.atomic_add(count_ptr, 0, sem="relaxed")
+    idx = tl.arange(0, SPLITS_POW2)
+    words = tl.load(words_ptr + idx, mask=idx < n_splits, other=1, volatile=True)
+    while tl.min(tl.where(words != 0, 1, 0), axis=0) == 0:
+        words = tl.load(words_ptr + idx, mask=idx < n_splits, other=1, volatile=True)
+    return words
+
+
+@triton.jit
+def coop_word_lo(words):
+    """The `lo` statistics of `words` (float32, same shape)."""
+    return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def coop_word_hi(words):
+    """The `hi` statistics of `words` (float32, same shape)."""
+    return (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
