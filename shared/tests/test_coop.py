@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_lab.shared import coop  # noqa: E402
+from kernel_lab.shared import coop
 
 
 @pytest.mark.parametrize("n_rows, n_splits", [(1, 1), (3, 5), (4, 132)])
