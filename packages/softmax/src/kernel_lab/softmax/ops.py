@@ -69,7 +69,9 @@ ROWS_TILE = 2048
 # Tried there and slower: spinning on the words from every warp instead of on a count; a
 # persistent grid (with or without taking the next ticket before the wait); the second pass of
 # a chunk done by the program `lag` tickets later (no wait; slower at lags of 64 to 2048
-# chunks); an L2 prefetch of the chunk at start; pipelined loads (tl.range num_stages 2-4);
+# chunks); an L2 prefetch of the chunk at start, or during the wait of the chunk 128 to 1200
+# tickets ahead (level at best); two rows' chunks a program, both published before either wait;
+# pipelined loads (tl.range num_stages 2-4); a register cap (maxnreg 56-72: spills);
 # chunks held in bfloat16 (the compiler keeps the float32 copy), or only their second step
 # (reading the first again); 32768-column chunks.
 # Thread-block clusters (num_ctas > 1) do not compile with these reductions (triton 3.6).
