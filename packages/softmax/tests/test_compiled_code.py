@@ -33,8 +33,8 @@ def _coop_ptx(direction: str, log: bool, dtype: str) -> str:
         num_warps = ops.COOP_NUM_WARPS
     else:
         fn, tensors = _kernels._softmax_bwd_coop_kernel, ("y_ptr", "dy_ptr", "dx_ptr")
-        constexprs = dict(LOG=log, CHUNK=ops.BWD_COOP_CHUNK, SPLITS_POW2=16)
-        num_warps = ops.BWD_COOP_NUM_WARPS
+        constexprs = dict(LOG=log, CHUNK=ops.LOG_BWD_COOP_CHUNK if log else ops.BWD_COOP_CHUNK, SPLITS_POW2=16)
+        num_warps = ops.LOG_BWD_COOP_NUM_WARPS if log else ops.BWD_COOP_NUM_WARPS
     types = {name: f"*{dtype}" for name in tensors} | {"sync_ptr": "*i32"}
     return testing.compile_for_sm90(fn, types, constexprs, num_warps=num_warps, num_stages=3).asm["ptx"]
 

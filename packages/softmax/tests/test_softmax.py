@@ -32,7 +32,8 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "_PLANS", {})  # plans made with the other thresholds
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
-        for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK"):
+        for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK",
+                     "LOG_BWD_COOP_CHUNK"):
             monkeypatch.setattr(ops, name, loop_block)
 
     return shrink
