@@ -86,9 +86,9 @@ COOP_NUM_WARPS = 4
 BWD_COOP_CHUNK = 8192
 BWD_COOP_NUM_WARPS = 8
 # log-softmax's backward (dx = dy - exp(y) * sum(dy)) is faster in smaller programs: 4096-column
-# chunks over 4 warps against 8192 over 8, H200 bf16, both alternated over five rounds: 215.5
-# against 229.2 us at 1024 x 131072, 221.0 against 223.9 at 4096 x 32768 (softmax's own backward
-# was 1-2% slower so).
+# chunks over 4 warps against 8192 over 8, H200 bf16, both alternated over five rounds through
+# softmax_bwd: 215.9 against 232.9 us at 1024 x 131072, 217.0 against 221.6 at 4096 x 32768
+# (softmax's own backward was 1-2% slower so).
 LOG_BWD_COOP_CHUNK = 4096
 LOG_BWD_COOP_NUM_WARPS = 4
 # Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
