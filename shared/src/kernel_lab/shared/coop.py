@@ -19,15 +19,15 @@ programs one after another, where a wait would never end: launchers use other ke
 
 Exchange. A chunk's two statistics travel as one 64-bit word written by one relaxed atomic
 exchange, (hi bits) << 32 | (lo bits), which the caller keeps non-zero (e.g. a flag of 1.0 in
-hi), so a word that reads non-zero is that chunk's whole: no memory fence orders it (a release
-per program cost about a tenth of softmax's forward at 1024 x 131072 on an H200) and no load of
-the statistics follows the wait. A waiting program spins on its row's arrival count with one
-thread's relaxed atomic, not on the words: every warp polling the words (8 warps, 16 words) took
-softmax's backward at 1024 x 131072 from 234 to 273 us; the count may arrive before a word
-does, hence the words' own loop.
+hi), so a word that reads non-zero is that chunk's whole: no memory fence orders it and no load
+of the statistics follows the wait (the earlier protocol, a release per program and that load,
+made softmax's forward 5-10% slower on an H200: see kernel-lab-softmax's ops.py). A waiting
+program spins on its row's arrival count with one thread's relaxed atomic, not on the words:
+every warp polling the words (8 warps, 16 words) took softmax's backward at 1024 x 131072 from
+234 to 273 us; the count may arrive before a word does, hence the words' own loop.
 
 Kernels import the helpers by name (`from kernel_lab.shared.coop import coop_ticket, ...`), as
-torch.compile copies a user kernel's source with the jit functions it names.
+mlp's kernels import partial_sums.sum_if_last.
 
 Needs triton (a kernel package's dependency); `kernel_lab.shared` itself does not import it.
 """

@@ -165,8 +165,8 @@ def _rms_norm_fwd_coop_kernel(
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_cols)
     # each step's sum of squares reduced at once (the looped kernel's elementwise accumulator
-    # would hold BLOCK_N more float32 values a program: fewer programs per SM, 10% slower at
-    # 1024 x 65536 on an H200)
+    # would hold BLOCK_N more float32 values a program: fewer programs per SM; a scratch H200
+    # sweep of this design at 1024 x 65536: 92.2 against 83.7 us)
     sum_sq = tl.zeros([1], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)

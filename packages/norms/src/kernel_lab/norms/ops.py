@@ -131,10 +131,10 @@ LAYER_NORM_WIDE = _Loop(8192, 16, 1)
 # (Tried and dropped: a cooperative RMSNorm backward for long rows (kernel_lab.shared.coop), each
 # program holding one column chunk of a row group's rows in turn, publishing its part of each
 # row's dot and keeping the chunk's dweight in registers: x and dy read once instead of twice.
-# H200, bf16, against the wide kernel in one process: slower at 1024 x 65536 (215 against 186 us
-# plain, 220 against 215 residual; gated 298 against 312) and at 2048 x 32768 (193 against 176
-# plain). Its programs hold their chunk across a wait on every row, so few fit an SM, and a
-# group's programs move in lockstep.)
+# H200, bf16, against the wide kernel in one process (scratch): slower at 1024 x 65536 (215
+# against 186 us plain, 220 against 215 residual; only the gated variant faster, 298 against 312)
+# and at 2048 x 32768 (193 against 176 plain). Its programs hold their chunk across a wait on
+# every row, so few fit an SM, and a group's programs move in lockstep.)
 
 
 @dataclass(frozen=True)

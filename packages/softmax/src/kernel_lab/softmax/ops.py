@@ -44,7 +44,7 @@ BWD_MAX_FUSED_COLS = 8192
 # so that each program still moves enough bytes to hide its launch and reduction latency.
 ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
-# limit). A row may be cut into at most as many chunks as the GPU has SMs (see _kernels.py),
+# limit). A row may be cut into at most as many chunks as the GPU has SMs (kernel_lab.shared.coop),
 # e.g. 2M columns on 132 SMs in the forward. What bounds them is the synchronisation, not the
 # bytes: a timeline of the forward (globaltimer per phase, H200, bf16 1024 x 131072, 8192-column
 # chunks in registers) had each program live 6.8 us, of which its load took 1.9 and publishing
