@@ -38,7 +38,7 @@ BT = [(1, 4096), (1, 32768), (1, 131072), (8, 8192), (32, 4096), (64, 2048)]
 MIN_CACHE_BYTES = 256 << 20
 IMPLS = ["sdpa", "torch naive", "torch.compile", "kernel_lab", "kernel_lab paged16", "kernel_lab paged64",
          "kernel_lab fp8"]
-GRAPH_IMPLS = ["sdpa", "kernel_lab", "kernel_lab paged16", "kernel_lab fp8"]
+GRAPH_IMPLS = ["sdpa", "kernel_lab", "kernel_lab paged16", "kernel_lab paged64", "kernel_lab fp8"]
 
 _state: dict = {}
 
@@ -138,8 +138,7 @@ def test_decode_attention(benchmark, bsz, t, impl):
                    max_error=bench.max_error(out, st["ref"]))
 
 
-@pytest.mark.parametrize("bsz,t,impl", [(b, t, i) for b, t in [(1, 4096), (1, 32768), (64, 2048)]
-                                        for i in GRAPH_IMPLS], ids=lambda x: str(x))
+@pytest.mark.parametrize("bsz,t,impl", [(b, t, i) for b, t in BT for i in GRAPH_IMPLS], ids=lambda x: str(x))
 def test_decode_attention_cuda_graph(benchmark, bsz, t, impl):
     """One call per layer captured in a CUDA graph; the row's time is per call (per layer)."""
     st = _setup(bsz, t)

@@ -12,6 +12,13 @@ per-row statistics are a rounding error next to the tiles and are left out):
   pair `u = x + residual; F.rms_norm(u)`.
 - rms_norm_gated: forward reads x and gate, writes y (3); backward reads x, gate and dy,
   writes dx and dgate (5).
+
+Directions: `fwd` (no_grad calls), `bwd` (torch.autograd.grad calls back to back) and
+`bwd-graph`, the same backward captured once in a CUDA graph and replayed: the GPU time of the
+backward without the host's. A single op's autograd.grad costs the engine a fixed 60-70 us of
+host time on the lent H200's host (measured with a no-op autograd.Function), more than the GPU
+time of most of these backwards, so the `bwd` rows time the host for every implementation; in
+a training step that engine cost is paid once per backward of the whole model, not per op.
 Peers: torch.compile of the eager formula (compiled once per shape and direction, static
 shapes: its best case), Liger-Kernel's LigerRMSNormFunction / LigerLayerNormFunction /
 LigerFusedAddRMSNormFunction (default arguments; rows skipped, with the reason, where Liger is
@@ -143,8 +150,33 @@ def _reference(op: str, inputs, grads, backward: bool):
         reference.rms_norm_gated(*sl, EPS),)
 
 
+def _graphed_backward(fn, inputs, grads_of):
+    """A CUDA graph of one torch.autograd.grad of fn(*leaves) w.r.t. leaves, fresh copies of inputs.
+
+    Leaves, forward and output gradients (grads_of(outs)) are made on the capture stream:
+    autograd launches each backward kernel, the leaves' gradient accumulators included, on the
+    stream its forward ran on, and one left on the default stream breaks the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads = grads_of(outs)
+        for _ in range(3):  # warm-up outside the capture: compilation, autotuning, allocator pools
+            torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    # the graph replays kernels reading these tensors: keep them alive as long as the graph
+    graph.keep_alive = (leaves, outs, grads)
+    return graph
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-graph"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{op}-{n}" for op, n in CASES])
 def test_norms(benchmark, case, direction, impl):
     op, n = case
@@ -152,8 +184,8 @@ def test_norms(benchmark, case, direction, impl):
     benchmark.group = f"{op} {direction} {m}x{n} bf16"
     if op == "rms_norm_gated" and impl == "liger":
         pytest.skip("Liger-Kernel has no gated RMSNorm")
-    fn = _impl_fn(op, n, direction, impl)
-    backward = direction == "bwd"
+    fn = _impl_fn(op, n, "bwd" if direction == "bwd-graph" else direction, impl)
+    backward = direction != "fwd"
     inputs = _inputs(op, m, n)
     if backward:
         inputs = [t.requires_grad_(True) for t in inputs]
@@ -170,7 +202,16 @@ def test_norms(benchmark, case, direction, impl):
     else:
         got = outs
     max_error = max(bench.max_error(g[:ERROR_ROWS], r) for g, r in zip(got, ref, strict=True))
-    if backward:
+    if direction == "bwd-graph":
+        try:
+            graph = _graphed_backward(fn, inputs, lambda outs: [
+                torch.randn(o.shape, device="cuda", dtype=DTYPE, generator=gen) for o in outs])
+        except RuntimeError as e:  # reported as the peer's absence, not as a failure of ours
+            if impl == "kernel_lab":
+                raise
+            pytest.skip(f"{impl}'s backward cannot be captured in a CUDA graph: {' '.join(str(e).split())[:200]}")
+        bench.run_cuda(benchmark, graph.replay, rounds=20)
+    elif backward:
         bench.run_cuda(benchmark, lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True), rounds=20)
     else:
         with torch.no_grad():

@@ -239,7 +239,7 @@ def test_zero_size_inputs(op, shape, kernel_device, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n_rows, n_cols", [(4096, 4096), (2048, 3584), (1024, 8192), (520, 16384), (96, 65536)])
+@pytest.mark.parametrize("n_rows, n_cols", [(4096, 4096), (2048, 3584), (1024, 8192), (999, 8192), (520, 16384), (96, 65536)])
 @pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
 def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,

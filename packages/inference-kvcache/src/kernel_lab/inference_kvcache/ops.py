@@ -36,15 +36,23 @@ MIN_DOT_DIM = 16
 MAX_BLOCK_M = 64
 # Split-K plan: aim for this many programs per SM, never splits shorter than MIN_SPLIT_LEN
 # keys (below that the merge costs more than the parallelism gains), at most MAX_SPLITS.
-SPLIT_PROGRAMS_PER_SM = 4
+# Three per SM: in an H200 sweep (scratch run, CUDA-graph replays, 32 query / 8 kv heads, D = 128)
+# they were the fastest or within 2% of it at every shape: B=1 T=32k bf16 39.6 us against 40.4
+# at four per SM, T=128k 129.8 against 130.9, the fp8 cache at T=128k 85.4 against 95.1; B=8
+# T=8k 69.3 against 70.5 (four: the default before kernel-lab-inference-kvcache 0.1.6).
+SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
 # Fewest head-dim columns a program of the split merge takes (see _DecodePlan).
 MERGE_MIN_BLOCK_D = 32
-# Programs per SM of the split counts timed by the first CUDA decode of a class of decodes
-# (see _measured_num_splits): whole waves of the configs' residency (2 to 4 programs fit an
-# SM) and two waves of 4.
-SPLIT_WAVE_CANDIDATES = (2, 3, 4, 8)
+# Programs per SM of the other split counts timed by the first CUDA decode of a class of decodes
+# (see _measured_num_splits), in SPLIT_MEASURE_ROUNDS interleaved rounds; one replaces the
+# default only when its best time is under SPLIT_MIN_GAIN times the default's. (Timed once each,
+# the winner changed from process to process: fp8, B=1, T=128k took 49 splits in one and 128,
+# 12% slower, in another.)
+SPLIT_WAVE_CANDIDATES = (2, 4, 8)
+SPLIT_MEASURE_ROUNDS = 3
+SPLIT_MIN_GAIN = 0.97
 
 LOG2E = 1.4426950408889634
 
@@ -219,10 +227,11 @@ def kv_append_fwd(
 def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
     """Default split-K factor: enough programs to fill the GPU, each split at least
     MIN_SPLIT_LEN keys. (On CUDA the first decode of a class of decodes times this and a few
-    counts that fill whole waves, and keeps the fastest: `_measured_num_splits`.)
+    counts that fill whole waves, and keeps the fastest if it beats this one by a margin:
+    `_measured_num_splits`.)
 
     E.g. B=1, 8 kv heads on 132 SMs: 8 programs without splitting would leave 124 SMs idle,
-    so a 128k context is cut into 66 splits (528 programs); B=64 already has 512 programs at
+    so a 128k context is cut into 49 splits (392 programs); B=64 already has 512 programs at
     one split and is not split.
     """
     return _num_splits(batch, h_kv, m_tiles, max_len, runtime.sm_count(device))
@@ -250,11 +259,13 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
     many fit depends on the tile config (its shared memory and registers), which the
     autotuner picks per split count, and an fp8 cache's decode is bound by the SMs, not
     DRAM, so the fraction of a wave shows (H200, B=1, 128k fp8 keys: 49 splits, one wave of 3
-    per SM, took 0.92x the time of the default 66, 4 per SM). The first decode of a class
+    per SM, took 0.92x the time of 66, 4 per SM). The first decode of a class
     (dtypes, head dim, paging, the power of two of its unsplit programs and of max_len) times
-    the split counts of SPLIT_WAVE_CANDIDATES programs per SM, each autotuned as usual, with
-    triton.testing.do_bench (so it takes seconds) and keeps the winner's programs per SM for
-    the class: a batch size seen first later in the class costs nothing. Off CUDA, under the
+    the default and the split counts of SPLIT_WAVE_CANDIDATES programs per SM, each autotuned
+    as usual, with triton.testing.do_bench in SPLIT_MEASURE_ROUNDS interleaved rounds (so it
+    takes seconds), and keeps the programs per SM of the fastest (best round) if it beats the
+    default by the SPLIT_MIN_GAIN margin, else the default's, for the class: a batch size seen
+    first later in the class costs nothing. Off CUDA, under the
     interpreter, while a CUDA graph is captured, while torch.compile traces, or with
     KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan (SPLIT_PROGRAMS_PER_SM) is used.
     """
@@ -279,9 +290,14 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
         if len(by_splits) == 1:  # every candidate gives the same split count: nothing to time
             (per_sm,) = by_splits.values()
         else:
-            times = {n: do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
-                     for n in by_splits}
-            per_sm = by_splits[min(times, key=times.get)]
+            best: dict[int, float] = {}
+            for _ in range(SPLIT_MEASURE_ROUNDS):
+                for n in by_splits:
+                    t = do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
+                    best[n] = min(best.get(n, t), t)
+            default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+            fastest = min(best, key=best.get)
+            per_sm = by_splits[fastest if best[fastest] < SPLIT_MIN_GAIN * best[default] else default]
         _MEASURED_PROGRAMS_PER_SM[klass] = per_sm
     splits = _MEASURED_SPLITS[key] = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
     return splits
@@ -538,6 +554,12 @@ class _DecodePlan:
         while merge_block_d > MERGE_MIN_BLOCK_D and rows * (runtime.next_power_of_2(d) // merge_block_d) < c.sm_count():
             merge_block_d //= 2
         self.merge_grid = (rows, runtime.cdiv(d, merge_block_d), 1)
+        # (Tried and dropped: programmatic dependent launch, the merge's programs resident and
+        # waiting (griddepcontrol) before the split kernel ends and the split kernel's launch
+        # overlapping the kernel ahead of it. In CUDA-graph replays on an H200, two alternated
+        # processes per variant, it moved a decode by -1.4 to +0.8 us (B=1: T=32k bf16 38.5 vs 38.8,
+        # T=128k 129.0 vs 130.3, fp8 87.3 vs 86.5): a graph already issues the merge right behind
+        # the split kernel, and the merge's own L2 round trip stays on the critical path.)
         # Autotune keys: the split length as a power of two and the number of programs in
         # half-octave steps, so a 128k-token single sequence and a batch of 64 short ones may
         # pick different tiles, and so may 264 and 392 programs (2 and 3 per SM of an H200).

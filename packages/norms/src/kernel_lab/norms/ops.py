@@ -85,6 +85,15 @@ RESIDUAL_RMS_BWD = _BwdPlan(8, 4096, 32)  # + du
 # kernel stays at about 2.2-2.7 TB/s whatever the plan (not profiled further: it is the one
 # variant that evaluates a sigmoid per element, on both of its passes over the row).
 GATED_RMS_BWD = _BwdPlan(16, 2048, 32)
+# Long rows of the residual and gated variants: 32 values a thread in 16384-element programs (two
+# 8192-column rows, or one 16384-column row, over 16 warps), 16 warps per SM. H200 sweep (scratch
+# run, kernel launches back to back, bf16, 2**26 elements): residual 162.2 -> 128.7 us at 8192
+# columns and 142.9 -> 124.0 at 16384 (136.2 -> 133.5 at 4096, kept); gated 425.2 -> 324.8 at
+# 16384 (301.0 against 315.0 at 8192, so from 16384 only). Plain RMSNorm kept RMS_BWD at every
+# width (107.8 against 118.8 us at 8192).
+LONG_ROW_RMS_BWD = _BwdPlan(32, 16384, 16)
+RESIDUAL_RMS_BWD_LONG_FROM = 8192
+GATED_RMS_BWD_LONG_FROM = 16384
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
 # ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
@@ -408,7 +417,12 @@ def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tup
     after offset, wide). The launch is the one-tile kernel, or the wide kernel (wide: it also
     takes a dot buffer after the partial sums), indexed with its grid, its constexprs bound."""
     n_rows, n_cols = x2.shape
-    bwd = GATED_RMS_BWD if z2 is not None else RESIDUAL_RMS_BWD if du2 is not None else RMS_BWD
+    if z2 is not None:
+        bwd = LONG_ROW_RMS_BWD if n_cols >= GATED_RMS_BWD_LONG_FROM else GATED_RMS_BWD
+    elif du2 is not None:
+        bwd = LONG_ROW_RMS_BWD if n_cols >= RESIDUAL_RMS_BWD_LONG_FROM else RESIDUAL_RMS_BWD
+    else:
+        bwd = RMS_BWD
     t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, bwd)
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, RMS_WIDE, bwd)
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=z2 is not None, HAS_DU=du2 is not None)
