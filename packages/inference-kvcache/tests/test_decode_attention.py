@@ -177,6 +177,71 @@ def test_flash_decode_input_checks(over, exc, match):
         flash_decode(**_tensor_args(**over))
 
 
+def _paged_args(table, lengths, **over):
+    """flash_decode arguments over a pool of 5 blocks of 4 tokens (2 kv heads, D = 16)."""
+    args = {
+        "q": torch.zeros(len(lengths), 8, 16, dtype=torch.float16),
+        "k_cache": torch.zeros(5, 4, 2, 16, dtype=torch.float16),
+        "v_cache": torch.zeros(5, 4, 2, 16, dtype=torch.float16),
+        "lengths": torch.tensor(lengths, dtype=torch.int32),
+        "block_table": torch.tensor(table, dtype=torch.int32),
+    }
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (_tensor_args(lengths=torch.tensor([4, 5], dtype=torch.int32)), r"lengths must lie in \[0, 4\].*\[4, 5\]"),
+        (_tensor_args(lengths=torch.tensor([-1, 2], dtype=torch.int32)), r"lengths must lie in \[0, 4\]"),
+        (_tensor_args(seq_ids=torch.tensor([1, 2], dtype=torch.int32)), r"seq_ids must be cache rows in \[0, 2\)"),
+        (_tensor_args(seq_ids=torch.tensor([-1, 0], dtype=torch.int32)), r"seq_ids must be cache rows"),
+        # row 1 holds 5 tokens: its entries 0 and 1 are read, and entry 1 is past the pool's 5 blocks
+        (_paged_args([[0, 1, 9], [2, 5, 9]], [3, 5]), r"block_table entries .* in \[0, 5\); got values in \[0, 5\]"),
+        (_paged_args([[-1, 1, 9], [2, 3, 9]], [3, 5]), r"block_table entries .* got values in \[-1, 3\]"),
+        (_paged_args([[0, 1, 9], [2, 3, 4]], [3, 13]), r"lengths must lie in \[0, 12\]"),
+    ],
+)
+def test_flash_decode_index_values_are_checked(args, match):
+    """Values the kernels would follow out of the cache (a row id, a length past the row, a block
+    id past the pool) raise instead of reading out of bounds."""
+    with pytest.raises(ValueError, match=match):
+        flash_decode(**args)
+
+
+@pytest.mark.interpret
+def test_block_table_entries_past_the_cached_tokens_are_not_read(kernel_device, seed):
+    """Only the entries covering a row's tokens are checked and read: the rest may hold
+    anything (-1 here, as padding), and the result equals the decode over a clean table."""
+    k = randn(5, 4, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    v = randn(5, 4, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    q = randn(2, 8, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    lengths = torch.tensor([3, 6], dtype=torch.int32, device=kernel_device)
+    padded = torch.tensor([[4, -1, -1], [0, 2, -1]], dtype=torch.int32, device=kernel_device)
+    clean = torch.tensor([[4, 0, 0], [0, 2, 0]], dtype=torch.int32, device=kernel_device)
+    out = flash_decode(q, k, v, lengths, block_table=padded, num_splits=2)
+    torch.testing.assert_close(out, flash_decode(q, k, v, lengths, block_table=clean, num_splits=2), rtol=0, atol=0)
+
+
+def test_kv_append_index_values_are_checked():
+    kc = torch.zeros(2, 4, 1, 8)
+    new = torch.zeros(2, 3, 1, 8)
+    with pytest.raises(ValueError, match=r"lengths \+ new tokens must lie in \[0, 4\].*\[3, 5\]"):
+        kv_append(new, new, kc, kc.clone(), torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"lengths \+ new tokens must lie in \[0, 4\]"):
+        kv_append(new, new, kc, kc.clone(), torch.tensor([0, 0], dtype=torch.int32),
+                  counts=torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seq_ids must be cache rows in \[0, 2\)"):
+        kv_append(new, new, kc, kc.clone(), torch.zeros(2, dtype=torch.int32), seq_ids=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="k_new has 3 sequences but the cache has 2 rows"):
+        kv_append(torch.zeros(3, 1, 1, 8), torch.zeros(3, 1, 1, 8), kc, kc.clone(), torch.zeros(2, dtype=torch.int32))
+    pool = torch.zeros(3, 2, 1, 8)  # 3 blocks of 2 tokens; row 0 writes tokens 1..3: entries 0 and 1
+    with pytest.raises(ValueError, match=r"block_table entries .* in \[0, 3\); got values in \[0, 3\]"):
+        kv_append(new[:1], new[:1], pool, pool.clone(), torch.tensor([1], dtype=torch.int32),
+                  block_table=torch.tensor([[0, 3, 7]], dtype=torch.int32))
+
+
 def test_decode_attention_checks_cache_and_sequences():
     q = torch.zeros(1, 4, 8)
     with pytest.raises(TypeError, match="cache must be a KVCache or PagedKVCache"):

@@ -181,6 +181,7 @@ class _CacheBase:
             seq_ids=seq_t, counts=cnt_t, block_table=block_table,
             k_scale=self.k_scale[layer] if self.is_fp8 else None,
             v_scale=self.v_scale[layer] if self.is_fp8 else None,
+            check_indices=False,  # rows, counts and capacity were checked on the host above
         )
         # Advance the lengths after the kernel has read them (same stream, so ordered).
         if rows is None and counts is None:

@@ -122,6 +122,47 @@ def _rows_of(k_cache, block_table) -> int:
     return block_table.shape[0] if block_table is not None else k_cache.shape[0]
 
 
+def _check_index_values(k_cache, lengths, block_table, seq_ids, batch: int, new_tokens=None) -> None:
+    """Raise ValueError unless the index tensors' values keep a launch inside the cache.
+
+    The kernels trust the values of seq_ids, lengths and the block table; they are read back
+    here with one synchronization. Checked for each of the `batch` entries: its cache row
+    (seq_ids[b]; without seq_ids, b, which the callers' shape checks bound) exists; the row's
+    length, plus `new_tokens` for an append (an int, or the (B,) counts), fits the row's capacity
+    (T_max, or max_blocks x block_size); every block-table entry covering those tokens is a
+    block of the pool. Entries past a row's tokens are never read and may hold anything. Skipped
+    while torch.compile traces or a CUDA graph is captured, where nothing can be read back.
+    """
+    if batch == 0 or torch.compiler.is_compiling() or (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    n_rows = _rows_of(k_cache, block_table)
+    if n_rows == 0:
+        raise ValueError(f"{batch} sequences but the cache has no rows")
+    page = k_cache.shape[1]
+    capacity = page * (block_table.shape[1] if block_table is not None else 1)
+    rows = torch.arange(batch, device=k_cache.device) if seq_ids is None else seq_ids.long()
+    rows_in = rows.clamp(0, n_rows - 1)  # a bad row id is reported below, not dereferenced
+    lens = lengths.long()[rows_in]
+    if new_tokens is not None:
+        lens = lens + (new_tokens.long() if isinstance(new_tokens, torch.Tensor) else new_tokens)
+    stats = [rows.min(), rows.max(), lens.min(), lens.max()]
+    if block_table is not None:
+        covering = (lens.clamp(0, capacity) + page - 1) // page  # block-table entries each row reads
+        read = torch.arange(block_table.shape[1], device=k_cache.device)[None, :] < covering[:, None]
+        entries = torch.where(read, block_table[rows_in].long(), 0)
+        stats += [entries.min(), entries.max()]
+    row_min, row_max, len_min, len_max, *blocks = torch.stack(stats).tolist()
+    if row_min < 0 or row_max >= n_rows:
+        raise ValueError(f"seq_ids must be cache rows in [0, {n_rows}), got values in [{row_min}, {row_max}]")
+    if len_min < 0 or len_max > capacity:
+        what = "lengths + new tokens" if new_tokens is not None else "lengths"
+        raise ValueError(f"{what} must lie in [0, {capacity}] (the tokens a cache row holds), got values in "
+                         f"[{len_min}, {len_max}]")
+    if blocks and (blocks[0] < 0 or blocks[1] >= k_cache.shape[0]):
+        raise ValueError(f"block_table entries covering the cached tokens must be blocks of the pool, in "
+                         f"[0, {k_cache.shape[0]}); got values in [{blocks[0]}, {blocks[1]}]")
+
+
 # ----------------------------------------------------------------------------------------
 # append
 
@@ -138,6 +179,7 @@ def kv_append(
     block_table: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    check_indices: bool = True,
 ) -> None:
     """Write k_new/v_new (B, T_new, H_kv, D) into the cache at each sequence's current length.
 
@@ -145,8 +187,10 @@ def kv_append(
     (default b) at positions lengths[row], lengths[row] + 1, ...; lengths is NOT advanced (the
     caller owns it). k_cache/v_cache: (B_cache, T_max, H_kv, D), or pools
     (num_blocks, block_size, H_kv, D) with block_table (rows, max_blocks). A float8_e4m3fn
-    cache stores x / scale per kv head, saturated to +-448. The caller guarantees that every
-    written position lies inside the cache (the cache classes check it on the host).
+    cache stores x / scale per kv head, saturated to +-448. check_indices (default): one
+    synchronization reads seq_ids, lengths, counts and the block table back and raises
+    ValueError where a write would fall outside the cache (`_check_index_values`); the cache
+    classes, which check on the host, pass False.
     """
     _check_cache_pair(k_cache, v_cache)
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -168,6 +212,12 @@ def kv_append(
                 raise ValueError(f"{name} must have one entry per batch entry ({k_new.shape[0]}), got {t.shape[0]}")
     if block_table is not None:
         _check_index("block_table", block_table, k_cache.device, 2)
+    if seq_ids is None and k_new.shape[0] > _rows_of(k_cache, block_table):
+        raise ValueError(f"k_new has {k_new.shape[0]} sequences but the cache has {_rows_of(k_cache, block_table)} "
+                         "rows")
+    if check_indices:
+        _check_index_values(k_cache, lengths, block_table, seq_ids, k_new.shape[0],
+                            k_new.shape[1] if counts is None else counts)
     if torch.compiler.is_compiling():
         torch.ops.kernel_lab.kvcache_append(
             k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale
@@ -402,6 +452,7 @@ def flash_decode(
     scale: float | None = None,
     num_splits: int | None = None,
     max_len: int | None = None,
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """Decode attention of the newest T_q tokens of each sequence over its cached keys/values.
 
@@ -417,10 +468,17 @@ def flash_decode(
     lengths: (rows,) int32/int64. scale: default 1/sqrt(D). num_splits: the split-K factor
     (default: chosen from batch, heads, max_len and the SM count). max_len: an upper bound of
     lengths used for that choice (default: the cache capacity; the caches pass their own).
+    check_indices (default): one synchronization reads seq_ids, lengths and the block table back
+    and raises ValueError where the decode would read outside the cache (`_check_index_values`);
+    pass False on a hot path whose indices are known good.
     Returns q's shape and dtype. Raises TypeError/ValueError on mismatched inputs.
     """
     _check_query(q)
     cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
+    if check_indices and (seq_ids is not None or q.shape[0] <= cache.rows):  # else decode_checked_cache raises
+        if seq_ids is not None:
+            _check_index("seq_ids", seq_ids, cache.device, 1)
+        _check_index_values(k_cache, cache.lengths, cache.block_table, seq_ids, q.shape[0])
     return decode_checked_cache(q, cache, seq_ids=seq_ids, scale=scale, num_splits=num_splits, max_len=max_len)
 
 
