@@ -86,6 +86,17 @@ def test_rms_norm_gated_matches_reference(dtype, shape, kernel_device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op", ["residual_rms_norm", "rms_norm_gated"])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 1), (7, 37)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_rms_variants_without_weight_and_at_width_one(op, shape, affine, kernel_device, seed):
+    """The residual and gated variants with weight=None (no affine) and at hidden size 1, forward
+    and backward (rms_norm and layer_norm have their own cases above)."""
+    inputs = make_inputs(op, shape, torch.float32, kernel_device, seed, affine=affine)
+    check_op(op, inputs, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op, shape", [("rms_norm_gated", (3, 4100)), ("rms_norm", (3, 8200))])
 def test_rms_norm_forward_tiles_past_the_heuristic_match_reference(op, shape, kernel_device, seed):
     """The tiles chosen over the row-tile heuristic's (ops._rms_fwd_one_tile): the gated
@@ -239,7 +250,8 @@ def test_zero_size_inputs(op, shape, kernel_device, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n_rows, n_cols", [(4096, 4096), (2048, 3584), (1024, 8192), (999, 8192), (520, 16384), (96, 65536)])
+@pytest.mark.parametrize("n_rows, n_cols",
+                         [(4096, 4096), (2048, 3584), (1024, 8192), (999, 8192), (520, 16384), (96, 65536)])
 @pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
 def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,
