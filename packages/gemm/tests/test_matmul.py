@@ -157,6 +157,15 @@ def test_matmul_layouts_match_reference(kernel_device, seed, m, n, k, a_layout, 
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("m,n,k", [(1001, 19, 70), (3, 21, 1003), (1, 19, 1003)])
+def test_matmul_thousand_sized_odd_dims_match_reference(kernel_device, seed, m, n, k):
+    """About-1000 odd M (many row tiles and a masked last one) and odd K (a long K loop with a masked
+    tail step) in the interpret tier: prefill, split-K decode and the one-row GEMV."""
+    a, b = make_operands(m, n, k, torch.float16, kernel_device, seed, "row", "col")
+    check(matmul(a, b, backend="triton"), a, b)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
 @pytest.mark.parametrize("m", [1, 3, 70])  # the GEMV, decode, prefill
 def test_matmul_bias_activation_epilogue_matches_reference(kernel_device, seed, activation, m):

@@ -221,3 +221,33 @@ def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
     y = quantized_matmul(x, qw)
     with pytest.raises(RuntimeError, match="quantized_matmul is forward only"):
         (y.float().sum() + x.float().sum()).backward()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"bits": 3}, "bits must be 4 or 8"),
+        ({"group_size": 48}, "group_size must divide K = 96"),
+        ({"group_size": 40}, "group_size must divide K = 96"),
+        ({"scales": "drop_group"}, r"scales must be floating point of shape \(8, 3\)"),
+        ({"qdata": "as_uint8"}, r"qdata must be torch.int8 of shape \(8, 96\)"),
+        ({"zeros": "wrong_shape"}, "zeros must be None or uint8 of shape"),
+        ({"shape": (8, 95)}, "group_size must divide K = 95"),
+    ],
+)
+def test_quantized_weight_fields_are_checked(change, match):
+    """A QuantizedWeight built by hand (or from a state dict) is checked as quantize_weight's
+    own are: the kernels index codes, scales and zero points by these fields."""
+    qw = quantize_weight(testing.randn(8, 96, seed=0), 8, 32, symmetric="zeros" not in change)
+    fields = dict(qdata=qw.qdata, scales=qw.scales, zeros=qw.zeros, bits=qw.bits, group_size=qw.group_size,
+                  shape=qw.shape, dtype=qw.dtype)
+    value = next(iter(change.values()))
+    if value == "drop_group":
+        value = qw.scales[:, :2]
+    elif value == "as_uint8":
+        value = qw.qdata.view(torch.uint8)
+    elif value == "wrong_shape":
+        value = torch.zeros(8, 2, dtype=torch.uint8)
+    fields[next(iter(change))] = value
+    with pytest.raises(ValueError, match=match):
+        QuantizedWeight(**fields)

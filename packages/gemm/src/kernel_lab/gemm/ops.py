@@ -796,6 +796,33 @@ class QuantizedWeight:
     shape: tuple[int, int]  # (N, K) of the original weight
     dtype: torch.dtype  # the original weight's dtype
 
+    def __post_init__(self) -> None:
+        # The kernels index codes, scales and zero points by these fields and trust them: a
+        # weight built by hand or from a state dict is checked here, as quantize_weight's are.
+        op = "QuantizedWeight"
+        if self.bits not in (4, 8):
+            raise ValueError(f"{op}: bits must be 4 or 8, got {self.bits!r}")
+        n, k = self.shape
+        g = self.group_size
+        if not isinstance(g, int) or g <= 0 or k % g or (g != k and g % 32):
+            raise ValueError(f"{op}: group_size must divide K = {k} and be K (per channel) or a multiple of 32, "
+                             f"got {g!r}")
+        if self.bits == 4 and k % 2:
+            raise ValueError(f"{op}: int4 packs two columns per byte and needs an even K, got K = {k}")
+        codes = (n, k) if self.bits == 8 else (n, k // 2)
+        code_dtype = torch.int8 if self.bits == 8 and self.zeros is None else torch.uint8
+        if tuple(self.qdata.shape) != codes or self.qdata.dtype != code_dtype:
+            raise ValueError(f"{op}: qdata must be {code_dtype} of shape {codes} for {self.bits}-bit codes of an "
+                             f"{(n, k)} weight ({'symmetric' if self.zeros is None else 'with zero points'}), got "
+                             f"{self.qdata.dtype} {tuple(self.qdata.shape)}")
+        groups = (n, k // g)
+        if tuple(self.scales.shape) != groups or not self.scales.is_floating_point():
+            raise ValueError(f"{op}: scales must be floating point of shape {groups} (N, K // group_size), got "
+                             f"{self.scales.dtype} {tuple(self.scales.shape)}")
+        if self.zeros is not None and (tuple(self.zeros.shape) != groups or self.zeros.dtype != torch.uint8):
+            raise ValueError(f"{op}: zeros must be None or uint8 of shape {groups}, got {self.zeros.dtype} "
+                             f"{tuple(self.zeros.shape)}")
+
     @property
     def nbytes(self) -> int:
         """Bytes held: codes, scales and zero points."""
