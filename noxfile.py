@@ -128,6 +128,8 @@ def bench(session: nox.Session) -> None:
         session.run("python", "-m", "pytest", *PYTEST_FLAGS, "-m", "interpret", "--kernel-lab-errors", *dirs,
                     env={"TRITON_INTERPRET": "1"})
         return
+    if not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+        session.install("pytest-benchmark>=4")  # already satisfied where the system python has it
     storage = HISTORY / _gpu_slug(session)
     # Saved as NNNN_bench-<selection>.json: benchmarks/report.py shows the latest run per name,
     # so `nox -s bench -- -k softmax` updates the softmax rows without hiding the others.

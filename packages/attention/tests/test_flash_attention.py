@@ -158,7 +158,7 @@ def test_varlen_bad_cu_seqlens_raise():
 @pytest.mark.parametrize(("causal", "window", "layout"), [(True, None, "bhsd"), (False, (3, 2), "bshd")])
 def test_reference_backend_matches_reference_with_gradients(monkeypatch, seed, causal, window, layout):
     """Without CUDA and without the interpreter the op runs the float32 reference forward and
-    its explicit float32 gradient formulas: the CPU fallback of DESIGN.md.
+    its explicit float32 gradient formulas: the "reference" backend (docs/architecture.md).
 
     The forward IS the float32 naive computation that check_attention uses as its baseline, so
     a baseline budget would check nothing: the forward is asserted bit-equal to that call (what

@@ -15,7 +15,7 @@ import kernel_lab.gemm.ops as ops
 from kernel_lab.gemm import fp8_matmul, matmul, quantize_fp8
 from kernel_lab.shared import reference, runtime, testing
 
-# Factor 2 of the DESIGN.md rule: the kernel accumulates in float32 like cuBLAS, in another order.
+# Factor 2 of the tolerance rule (docs/correctness.md): the kernel accumulates in float32 like cuBLAS, in another order.
 FACTOR = 2.0
 TORCH_ACT = {
     None: lambda z: z,

@@ -8,7 +8,7 @@ from torch import nn
 from kernel_lab.gemm import Linear, QuantizedLinear, QuantizedWeight, patch_hf, quantize_weight, quantized_matmul
 from kernel_lab.shared import reference, testing
 
-# Factor 2 of the DESIGN.md rule. The baseline is x @ dequantize(w)^T in x's dtype: the kernel
+# Factor 2 of the tolerance rule (docs/correctness.md). The baseline is x @ dequantize(w)^T in x's dtype: the kernel
 # multiplies the exact integer codes and applies the scale in float32, so it rounds less.
 FACTOR = 2.0
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernel_lab.gemm import RMSNormLinear, ops, rms_norm_linear
 from kernel_lab.shared import reference, testing
 
-# Factor 2 of the DESIGN.md rule; the baseline is the unfused same-precision pair: torch's own
+# Factor 2 of the tolerance rule (docs/correctness.md); the baseline is the unfused same-precision pair: torch's own
 # F.rms_norm in x's dtype (the normalised activations rounded to x's dtype), then F.linear.
 FACTOR = 2.0
 

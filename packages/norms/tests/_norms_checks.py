@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernel_lab.norms import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
 from kernel_lab.shared import reference, testing
 
-# Factor 2 of the DESIGN.md rule on the forward. The backward's row reductions (mean(g * xhat))
+# Factor 2 of the tolerance rule (docs/correctness.md) on the forward. The backward's row reductions (mean(g * xhat))
 # and the dweight sum over rows accumulate in a different order than PyTorch's, and their
 # cancellation error grows with the row length and row count; factor 3 covers that
 # (docs/correctness.md).

@@ -17,7 +17,7 @@ OPS = {
     "softmax": (softmax, torch.softmax, reference.softmax, reference.softmax_backward),
     "log_softmax": (log_softmax, torch.log_softmax, reference.log_softmax, reference.log_softmax_backward),
 }
-# Factor 2 of the DESIGN.md rule on the forward. The backward's reduction sum(y * dy) over a row
+# Factor 2 of the tolerance rule (docs/correctness.md) on the forward. The backward's reduction sum(y * dy) over a row
 # accumulates in a different order than PyTorch's, and its cancellation error scales with the row
 # length; factor 3 covers that (docs/correctness.md).
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
