@@ -77,6 +77,25 @@ def test_fp8_first_append_calibrates_per_head_scales(kernel_device, seed):
     torch.testing.assert_close(restored, k.cpu(), rtol=2**-4, atol=amax.max().item() * 2**-9)
 
 
+@pytest.mark.interpret
+def test_fp8_scales_come_from_the_written_tokens_only(kernel_device, seed):
+    """The calibrating append's padding (tokens past num_new) is not stored and must not set the
+    scale; an append that writes nothing (num_new all 0, or T_new = 0) leaves the scales open."""
+    cache = KVCache(1, 2, 6, 2, 16, dtype=torch.float8_e4m3fn, device=kernel_device)
+    empty = torch.zeros(2, 0, 2, 16, device=kernel_device)
+    cache.append(0, empty, empty)
+    k = randn(2, 4, 2, 16, seed=seed, device=kernel_device)
+    cache.append(0, k * 0.01, k * 0.01, num_new=[0, 0])
+    assert cache.lengths(0).tolist() == [0, 0]
+    padded = k.clone()
+    padded[0, 2:] = 1e4  # entry 0 writes 2 tokens: the rest is padding
+    cache.append(0, padded, padded, num_new=[2, 4])
+    written = torch.cat([k[0, :2], k[1]]).abs().amax(dim=(0, 2)).cpu()
+    torch.testing.assert_close(cache.k_scale[0].cpu(), written / reference.kvcache.FP8_E4M3_MAX)
+    restored = cache.k[0, 1, :4].float().cpu() * cache.k_scale[0].cpu()[:, None]
+    torch.testing.assert_close(restored, k[1].cpu(), rtol=2**-4, atol=written.max().item() * 2**-9)
+
+
 def test_kvcache_overflow_raises_and_writes_nothing():
     cache = KVCache(2, 2, 4, 1, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="over max_seq_len 4"):

@@ -193,14 +193,14 @@ def _paged_args(table, lengths, **over):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (_tensor_args(lengths=torch.tensor([4, 5], dtype=torch.int32)), r"lengths must lie in \[0, 4\].*\[4, 5\]"),
-        (_tensor_args(lengths=torch.tensor([-1, 2], dtype=torch.int32)), r"lengths must lie in \[0, 4\]"),
+        (_tensor_args(lengths=torch.tensor([4, 5], dtype=torch.int32)), r"lengths must be at most 4 .*got 5"),
+        (_tensor_args(lengths=torch.tensor([-1, 2], dtype=torch.int32)), r"lengths must be >= 0, got -1"),
         (_tensor_args(seq_ids=torch.tensor([1, 2], dtype=torch.int32)), r"seq_ids must be cache rows in \[0, 2\)"),
         (_tensor_args(seq_ids=torch.tensor([-1, 0], dtype=torch.int32)), r"seq_ids must be cache rows"),
         # row 1 holds 5 tokens: its entries 0 and 1 are read, and entry 1 is past the pool's 5 blocks
         (_paged_args([[0, 1, 9], [2, 5, 9]], [3, 5]), r"block_table entries .* in \[0, 5\); got values in \[0, 5\]"),
         (_paged_args([[-1, 1, 9], [2, 3, 9]], [3, 5]), r"block_table entries .* got values in \[-1, 3\]"),
-        (_paged_args([[0, 1, 9], [2, 3, 4]], [3, 13]), r"lengths must lie in \[0, 12\]"),
+        (_paged_args([[0, 1, 9], [2, 3, 4]], [3, 13]), r"lengths must be at most 12 .*got 13"),
     ],
 )
 def test_flash_decode_index_values_are_checked(args, match):
@@ -227,15 +227,21 @@ def test_block_table_entries_past_the_cached_tokens_are_not_read(kernel_device, 
 def test_kv_append_index_values_are_checked():
     kc = torch.zeros(2, 4, 1, 8)
     new = torch.zeros(2, 3, 1, 8)
-    with pytest.raises(ValueError, match=r"lengths \+ new tokens must lie in \[0, 4\].*\[3, 5\]"):
+    zeros = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"lengths \+ new tokens must be at most 4 .*got 5"):
         kv_append(new, new, kc, kc.clone(), torch.tensor([0, 2], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"lengths \+ new tokens must lie in \[0, 4\]"):
-        kv_append(new, new, kc, kc.clone(), torch.tensor([0, 0], dtype=torch.int32),
-                  counts=torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"lengths must be >= 0, got -1"):  # a write before the row
+        kv_append(new, new, kc, kc.clone(), torch.tensor([-1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"counts must lie in \[0, 3\] \(T_new\), got values in \[3, 5\]"):
+        kv_append(new, new, kc, kc.clone(), zeros, counts=torch.tensor([3, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"seq_ids must be cache rows in \[0, 2\)"):
-        kv_append(new, new, kc, kc.clone(), torch.zeros(2, dtype=torch.int32), seq_ids=torch.tensor([0, 2]))
+        kv_append(new, new, kc, kc.clone(), zeros, seq_ids=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="seq_ids of an append must be distinct"):
+        kv_append(new, new, kc, kc.clone(), zeros, seq_ids=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"lengths must have one entry per cache row \(2\), got 3"):
+        kv_append(new, new, kc, kc.clone(), torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="k_new has 3 sequences but the cache has 2 rows"):
-        kv_append(torch.zeros(3, 1, 1, 8), torch.zeros(3, 1, 1, 8), kc, kc.clone(), torch.zeros(2, dtype=torch.int32))
+        kv_append(torch.zeros(3, 1, 1, 8), torch.zeros(3, 1, 1, 8), kc, kc.clone(), zeros)
     pool = torch.zeros(3, 2, 1, 8)  # 3 blocks of 2 tokens; row 0 writes tokens 1..3: entries 0 and 1
     with pytest.raises(ValueError, match=r"block_table entries .* in \[0, 3\); got values in \[0, 3\]"):
         kv_append(new[:1], new[:1], pool, pool.clone(), torch.tensor([1], dtype=torch.int32),

@@ -127,13 +127,22 @@ class _CacheBase:
         self.v_scale[layer].copy_(v_scale)
         self._scales_fixed[layer] = True
 
-    def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not self.is_fp8 or self._scales_fixed[layer]:
+    def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts_list: list[int],
+                   cnt_t: torch.Tensor | None) -> None:
+        """Set an fp8 layer's scales from the first append that writes tokens: amax / 448 per kv
+        head over the tokens it writes (entry b's first counts[b]; the padding past them is not
+        stored and does not count), on the device (no synchronization). A head of zeros keeps
+        scale 1 rather than 0 (which would divide by zero)."""
+        if not self.is_fp8 or self._scales_fixed[layer] or sum(counts_list) == 0:
             return
-        # amax per kv head over batch, tokens and dim, on the device (no synchronization);
-        # a head of zeros keeps scale 1 rather than 0 (which would divide by zero).
+        written = None
+        if cnt_t is not None:  # (B, T_new, 1, 1): token t of entry b is written when t < counts[b]
+            written = (torch.arange(k.shape[1], device=k.device)[None, :] < cnt_t[:, None])[..., None, None]
         for src, dst in ((k, self.k_scale), (v, self.v_scale)):
-            amax = src.detach().abs().float().amax(dim=(0, 1, 3))
+            mag = src.detach().abs().float()
+            if written is not None:
+                mag = torch.where(written, mag, 0.0)
+            amax = mag.amax(dim=(0, 1, 3))
             dst[layer].copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
         self._scales_fixed[layer] = True
 
@@ -173,9 +182,9 @@ class _CacheBase:
         return rows, counts, rows_list, counts_list
 
     def _commit_append(self, layer, k, v, rows, counts, rows_list, counts_list, block_table=None):
-        self._calibrate(layer, k, v)
         seq_t = self._seq_ids_tensor(rows) if rows is not None else None
         cnt_t = _device_ints(counts, self.device) if counts is not None else None
+        self._calibrate(layer, k, v, counts_list, cnt_t)
         kv_append(
             k, v, self.k[layer], self.v[layer], self._lengths[layer],
             seq_ids=seq_t, counts=cnt_t, block_table=block_table,

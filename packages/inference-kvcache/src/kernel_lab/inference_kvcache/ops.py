@@ -122,16 +122,18 @@ def _rows_of(k_cache, block_table) -> int:
     return block_table.shape[0] if block_table is not None else k_cache.shape[0]
 
 
-def _check_index_values(k_cache, lengths, block_table, seq_ids, batch: int, new_tokens=None) -> None:
+def _check_index_values(k_cache, lengths, block_table, seq_ids, batch: int, *, t_new: int | None = None,
+                        counts=None) -> None:
     """Raise ValueError unless the index tensors' values keep a launch inside the cache.
 
-    The kernels trust the values of seq_ids, lengths and the block table; they are read back
-    here with one synchronization. Checked for each of the `batch` entries: its cache row
+    The kernels trust the values of seq_ids, lengths, counts and the block table; they are read
+    back here with one synchronization. Checked for each of the `batch` entries: its cache row
     (seq_ids[b]; without seq_ids, b, which the callers' shape checks bound) exists; the row's
-    length, plus `new_tokens` for an append (an int, or the (B,) counts), fits the row's capacity
-    (T_max, or max_blocks x block_size); every block-table entry covering those tokens is a
-    block of the pool. Entries past a row's tokens are never read and may hold anything. Skipped
-    while torch.compile traces or a CUDA graph is captured, where nothing can be read back.
+    length is >= 0 and, after an append of `t_new` tokens (or counts[b], in [0, t_new]), fits the
+    row's capacity (T_max, or max_blocks x block_size); every block-table entry covering those
+    tokens is a block of the pool; an append's seq_ids are distinct (two entries writing one row
+    would race). Entries past a row's tokens are never read and may hold anything. Skipped while
+    torch.compile traces or a CUDA graph is captured, where nothing can be read back.
     """
     if batch == 0 or torch.compiler.is_compiling() or (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
@@ -142,25 +144,40 @@ def _check_index_values(k_cache, lengths, block_table, seq_ids, batch: int, new_
     capacity = page * (block_table.shape[1] if block_table is not None else 1)
     rows = torch.arange(batch, device=k_cache.device) if seq_ids is None else seq_ids.long()
     rows_in = rows.clamp(0, n_rows - 1)  # a bad row id is reported below, not dereferenced
-    lens = lengths.long()[rows_in]
-    if new_tokens is not None:
-        lens = lens + (new_tokens.long() if isinstance(new_tokens, torch.Tensor) else new_tokens)
-    stats = [rows.min(), rows.max(), lens.min(), lens.max()]
+    start = lengths.long()[rows_in]
+    end = start
+    stats = [rows.min(), rows.max(), start.min()]
+    if t_new is not None:
+        new = torch.full_like(start, t_new) if counts is None else counts.long()
+        end = start + new
+        sorted_rows = rows.sort().values
+        duplicates = (sorted_rows[1:] == sorted_rows[:-1]).sum() if seq_ids is not None else rows.new_zeros(())
+        stats += [new.min(), new.max(), duplicates]
+    stats.append(end.max())
     if block_table is not None:
-        covering = (lens.clamp(0, capacity) + page - 1) // page  # block-table entries each row reads
+        covering = (end.clamp(0, capacity) + page - 1) // page  # block-table entries each row's tokens need
         read = torch.arange(block_table.shape[1], device=k_cache.device)[None, :] < covering[:, None]
         entries = torch.where(read, block_table[rows_in].long(), 0)
         stats += [entries.min(), entries.max()]
-    row_min, row_max, len_min, len_max, *blocks = torch.stack(stats).tolist()
+    values = torch.stack(stats).tolist()
+    row_min, row_max, start_min = values[:3]
     if row_min < 0 or row_max >= n_rows:
         raise ValueError(f"seq_ids must be cache rows in [0, {n_rows}), got values in [{row_min}, {row_max}]")
-    if len_min < 0 or len_max > capacity:
-        what = "lengths + new tokens" if new_tokens is not None else "lengths"
-        raise ValueError(f"{what} must lie in [0, {capacity}] (the tokens a cache row holds), got values in "
-                         f"[{len_min}, {len_max}]")
-    if blocks and (blocks[0] < 0 or blocks[1] >= k_cache.shape[0]):
+    if start_min < 0:
+        raise ValueError(f"lengths must be >= 0, got {start_min}")
+    if t_new is not None:
+        new_min, new_max, duplicates = values[3:6]
+        if new_min < 0 or new_max > t_new:
+            raise ValueError(f"counts must lie in [0, {t_new}] (T_new), got values in [{new_min}, {new_max}]")
+        if duplicates:
+            raise ValueError("seq_ids of an append must be distinct (two entries would write the same row)")
+    end_max = values[6 if t_new is not None else 3]
+    if end_max > capacity:
+        what = "lengths + new tokens" if t_new is not None else "lengths"
+        raise ValueError(f"{what} must be at most {capacity} (the tokens a cache row holds), got {end_max}")
+    if block_table is not None and (values[-2] < 0 or values[-1] >= k_cache.shape[0]):
         raise ValueError(f"block_table entries covering the cached tokens must be blocks of the pool, in "
-                         f"[0, {k_cache.shape[0]}); got values in [{blocks[0]}, {blocks[1]}]")
+                         f"[0, {k_cache.shape[0]}); got values in [{values[-2]}, {values[-1]}]")
 
 
 # ----------------------------------------------------------------------------------------
@@ -205,6 +222,9 @@ def kv_append(
         raise ValueError(f"k_new heads/dim {tuple(k_new.shape[2:])} != cache heads/dim {tuple(k_cache.shape[2:])}")
     _check_scales(k_cache, k_scale, v_scale)
     _check_index("lengths", lengths, k_cache.device, 1)
+    if lengths.shape[0] != _rows_of(k_cache, block_table):
+        raise ValueError(f"lengths must have one entry per cache row ({_rows_of(k_cache, block_table)}), "
+                         f"got {lengths.shape[0]}")
     for name, t in (("seq_ids", seq_ids), ("counts", counts)):
         if t is not None:
             _check_index(name, t, k_cache.device, 1)
@@ -216,8 +236,8 @@ def kv_append(
         raise ValueError(f"k_new has {k_new.shape[0]} sequences but the cache has {_rows_of(k_cache, block_table)} "
                          "rows")
     if check_indices:
-        _check_index_values(k_cache, lengths, block_table, seq_ids, k_new.shape[0],
-                            k_new.shape[1] if counts is None else counts)
+        _check_index_values(k_cache, lengths, block_table, seq_ids, k_new.shape[0], t_new=k_new.shape[1],
+                            counts=counts)
     if torch.compiler.is_compiling():
         torch.ops.kernel_lab.kvcache_append(
             k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale
