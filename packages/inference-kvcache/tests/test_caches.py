@@ -158,6 +158,17 @@ def test_paged_append_out_of_blocks_raises_and_writes_nothing():
     assert cache.owned_blocks(0) == [] and cache.num_free_blocks == 1 and cache.seq_len(0, 0) == 0
 
 
+def test_paged_append_past_a_sequence_block_limit_raises_and_writes_nothing():
+    cache = PagedKVCache(8, 2, 1, 1, 8, dtype=torch.float32, max_seqs=2, max_blocks_per_seq=2)
+    cache.allocate(0)
+    cache.append(0, torch.ones(1, 3, 1, 8), torch.ones(1, 3, 1, 8))
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match=r"sequence 0 would hold 5 tokens, over max_blocks_per_seq \* block_size = 4"):
+        cache.append(0, torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))
+    assert cache.seq_len(0, 0) == 3
+    assert torch.equal(cache.k, before)
+
+
 def test_paged_lifecycle_errors():
     cache = PagedKVCache(4, 2, 1, 1, 8, dtype=torch.float32, max_seqs=2)
     with pytest.raises(ValueError, match="not allocated"):
@@ -183,6 +194,9 @@ def test_paged_lifecycle_errors():
         (lambda c: c.append(3, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8)), "layer must be", ValueError),
         (lambda c: c.append(0, torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8), seq_ids=[1, 1]), "distinct",
          ValueError),
+        (lambda c: c.append(0, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), seq_ids=[0.7]),
+         "seq_ids must be a sequence of ints", TypeError),
+        (lambda c: c.seq_len(0, -1), r"seq_id must be an int in \[0, 2\)", ValueError),
         (lambda c: c.append(0, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), seq_ids=[5]), "outside",
          ValueError),
         (lambda c: c.append(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), num_new=[3]), r"in \[0, 2\]",

@@ -87,6 +87,19 @@ def test_decode_speculative_queries_are_causal_among_themselves(kvh, kernel_devi
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("h_q,h_kv,d", [(16, 1, 16), (4, 2, 256)])
+def test_decode_eight_queries_per_sequence_and_wide_heads(kvh, kernel_device, seed, cache_kind, h_q, h_kv, d):
+    """T_q = 8 (the most speculative tokens the issue asks for): MQA with 16 query heads packs
+    16 x 8 = 128 rows, two M tiles of MAX_BLOCK_M = 64; and head dim 256, the widest supported."""
+    lengths = [5, 40, 17]
+    cache = kvh.make_cache(cache_kind, batch=3, max_len=40, h_kv=h_kv, d=d, dtype=torch.float16,
+                           device=kernel_device)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=40)
+    q = randn(3, 8, h_q, d, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    kvh.check_decode(decode_attention(q, cache, 0, num_splits=2), q, cache, 0)
+
+
+@pytest.mark.interpret
 def test_decode_fp8_cache_matches_dequantized_reference(kvh, kernel_device, seed, cache_kind):
     lengths = [45, 0, 7]
     cache = kvh.make_cache(cache_kind, batch=3, max_len=45, h_kv=2, d=32, dtype=torch.float8_e4m3fn,

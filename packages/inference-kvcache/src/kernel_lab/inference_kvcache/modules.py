@@ -8,6 +8,7 @@ with the same numbers.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,10 @@ def _host_ints(name: str, x: IndexLike, n: int | None = None) -> list[int] | Non
             )
         out = x.tolist()
     else:
-        out = [int(i) for i in x]
+        try:  # ints only: int(0.7) would silently pick sequence 0
+            out = [operator.index(i) for i in x]
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {x!r}") from None
     if n is not None and len(out) != n:
         raise ValueError(f"{name} must have {n} entries (one per batch entry), got {len(out)}")
     return out
@@ -112,6 +116,9 @@ class _CacheBase:
     def seq_len(self, layer: int, seq_id: int) -> int:
         """Tokens cached for sequence `seq_id` at `layer` (host value, no synchronization)."""
         self._check_layer(layer)
+        rows = len(self._host_lengths[layer])
+        if not isinstance(seq_id, int) or not 0 <= seq_id < rows:
+            raise ValueError(f"seq_id must be an int in [0, {rows}), got {seq_id!r}")
         return self._host_lengths[layer][seq_id]
 
     def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
