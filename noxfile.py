@@ -33,6 +33,10 @@ HISTORY = ROOT / "benchmarks" / "history"
 # triton 3.6 (the lent GPU's version) breaks with numpy >= 2.4. Override with KERNEL_LAB_TORCH.
 CPU_TEST_DEPS = [os.environ.get("KERNEL_LAB_TORCH", "torch==2.13.0"), "triton==3.6.0", "numpy<2.4", "pytest>=8"]
 PYTEST_FLAGS = ["-q", "-ra", "--import-mode=importlib"]
+# Optional test dependencies per package: installed where the index has them; where it does not,
+# the tests needing them skip with their reason instead of the session failing (norms: the
+# patch_hf test on a small transformers Llama).
+OPTIONAL_TEST_DEPS = {"norms": ["transformers>=4.40"]}
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
@@ -89,6 +93,8 @@ def tests(session: nox.Session, package: str) -> None:
     try:
         session.install(*CPU_TEST_DEPS)
         session.install(*{_package_path("shared"), _package_path(package)})
+        for dep in OPTIONAL_TEST_DEPS.get(package, []):
+            session.run("python", "-m", "pip", "install", "-q", dep, success_codes=[0, 1])
         test_dir = Path(_package_path(package)) / "tests"
         session.run(
             "python", "-m", "pytest", *PYTEST_FLAGS, str(test_dir), *session.posargs,
