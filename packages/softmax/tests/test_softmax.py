@@ -179,6 +179,25 @@ def test_neg_inf_entries_and_fully_masked_rows(op_name, long_rows, small_blocks,
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_nan_and_inf_entries_propagate_as_in_torch(op_name, long_rows, small_blocks, kernel_device, seed):
+    """A NaN or +inf entry makes its row NaN, as in torch (x - max is NaN at +inf): the
+    fully-masked-row rule (0 / -inf) must not hide it. Other rows are untouched."""
+    if long_rows:
+        small_blocks(16, 16)
+    x = testing.randn(4, 50, device=kernel_device, seed=seed)
+    x[0, 7] = float("nan")
+    x[1, 33] = float("inf")
+    x[2, 3] = float("nan")
+    x[2, :3] = float("-inf")
+    y = OPS[op_name][0](x, backend="triton")
+    expected = OPS[op_name][1](x, -1)
+    assert torch.isnan(y[:3]).all() and torch.isnan(expected[:3]).all()
+    testing.assert_close_to_reference(y[3:], OPS[op_name][2](x[3:]), name=op_name)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
 def test_strided_rows_are_read_in_place(op_name, kernel_device, seed):
     base = testing.randn(9, 45, dtype=torch.float16, device=kernel_device, seed=seed)
     x = testing.strided_rows(base, pad=11)  # NaN padding: a read past the row would show

@@ -60,14 +60,17 @@ def _write_normalized(
     """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum.
     EVICTION: the L2 eviction policy of its loads and stores ("evict_first": last use)."""
     shift = _safe_shift(m)
-    inv_s = tl.where(s > 0, 1.0 / s, 0.0)
+    # Only a row with no finite entry (all -inf: s == 0) is special-cased, to 0 (log: -inf). A NaN
+    # or +inf entry makes s NaN, and NaN must come out as it does from torch: `s > 0` would be
+    # False for it and hide it behind the masked-row value.
+    inv_s = tl.where(s == 0, 0.0, 1.0 / s)
     log_s = tl.log(s)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
         if LOG:
-            y = tl.where(s > 0, x - shift - log_s, float("-inf"))
+            y = tl.where(s == 0, float("-inf"), x - shift - log_s)
         else:
             y = tl.exp(x - shift) * inv_s
         tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
@@ -90,9 +93,9 @@ def _softmax_fwd_rows_kernel(
     e = tl.exp(x - shift)
     s = tl.sum(e, axis=1)[:, None]
     if LOG:
-        y = tl.where(s > 0, x - shift - tl.log(s), float("-inf"))
+        y = tl.where(s == 0, float("-inf"), x - shift - tl.log(s))  # s == 0: see _write_normalized
     else:
-        y = e * tl.where(s > 0, 1.0 / s, 0.0)
+        y = e * tl.where(s == 0, 0.0, 1.0 / s)
     tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
