@@ -69,6 +69,11 @@ def test_rope_validation_names_the_argument():
         apply_rope(q, k, cos[:5], sin[:5])
     with pytest.raises(ValueError, match="position_ids must be"):
         apply_rope(q, k, cos, sin, position_ids=torch.zeros(2, 6, dtype=torch.long))
+    for bad in (6, -1):  # the table has 6 rows
+        pos = torch.zeros(1, 6, dtype=torch.long)
+        pos[0, 3] = bad
+        with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 6\)"):
+            apply_rope(q, k, cos, sin, position_ids=pos)
     with pytest.raises(ValueError, match="inplace=True cannot be used"):
         apply_rope(q.requires_grad_(True), k, cos, sin, inplace=True)
     with pytest.raises(ValueError, match="layout must be"):

@@ -248,6 +248,10 @@ CASES = [
     (1, 4, 2, 64, 64, 64, True, None, "bhsd", torch.float32),
     (1, 2, 2, 50, 70, 32, False, (7, 3), "bhsd", torch.float16),
     (1, 2, 1, 61, 61, 64, True, (16, -1), "bshd", torch.float16),
+    # window sides past any length (int32-max: they used to overflow the kernels' index math)
+    (1, 2, 1, 20, 37, 32, False, (2**31 - 1, 2**31 - 1), "bhsd", torch.float16),
+    (1, 2, 2, 29, 29, 32, False, (-1, 2**31 - 1), "bshd", torch.float16),
+    (1, 2, 2, 29, 29, 32, True, (2**31 - 1, -1), "bhsd", torch.float16),
 ]
 
 
@@ -405,6 +409,20 @@ def test_varlen_matches_reference_with_empty_and_single_token_sequences(kernel_d
     base_grads = torch.autograd.grad(base, base_leaves, do)
     for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
         testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)
+
+
+@pytest.mark.interpret
+def test_varlen_strided_cu_seqlens_give_the_contiguous_result(kernel_device, seed):
+    """cu_seqlens as a strided view (a column of a (B + 1, 2) table) are read by value, not as if
+    contiguous."""
+    lens = [3, 0, 7, 7]
+    cu = _cu(lens).to(kernel_device)
+    strided = torch.stack([cu, cu * 0], dim=1)[:, 0]
+    assert strided.stride(0) == 2
+    q, k, v = (testing.randn(sum(lens), 2, 32, dtype=torch.float16, device=kernel_device, seed=seed + i)
+               for i in range(3))
+    out = flash_attention_varlen(q, k, v, strided, strided, 7, 7, backend="triton")
+    assert torch.equal(out, flash_attention_varlen(q, k, v, cu, cu, 7, 7, backend="triton"))
 
 
 @pytest.mark.interpret

@@ -251,3 +251,20 @@ def test_quantized_weight_fields_are_checked(change, match):
     fields[next(iter(change))] = value
     with pytest.raises(ValueError, match=match):
         QuantizedWeight(**fields)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (8, False)])
+@pytest.mark.parametrize("m", [1, 3])  # the GEMV and the tiled kernel
+def test_quantized_weight_from_strided_tensors_gives_the_contiguous_result(kernel_device, seed, bits, symmetric, m):
+    """Codes, scales and zero points given as column-major views (e.g. loaded transposed) are
+    read by value: QuantizedWeight lays them out as the kernels index them."""
+    qw = quantize_weight(testing.randn(24, 64, seed=seed, scale=0.1).to(torch.float16), bits, 32, symmetric)
+    qw = QuantizedWeight(qw.qdata.to(kernel_device), qw.scales.to(kernel_device),
+                         None if qw.zeros is None else qw.zeros.to(kernel_device), bits, 32, qw.shape, qw.dtype)
+    def column_major(t):
+        return None if t is None else t.t().contiguous().t()
+    strided = QuantizedWeight(column_major(qw.qdata), column_major(qw.scales), column_major(qw.zeros), bits, 32,
+                              qw.shape, qw.dtype)
+    x = testing.randn(m, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    assert torch.equal(quantized_matmul(x, strided), quantized_matmul(x, qw))

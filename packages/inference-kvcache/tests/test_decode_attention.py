@@ -237,6 +237,33 @@ def test_block_table_entries_past_the_cached_tokens_are_not_read(kernel_device, 
     torch.testing.assert_close(out, flash_decode(q, k, v, lengths, block_table=clean, num_splits=2), rtol=0, atol=0)
 
 
+@pytest.mark.interpret
+def test_strided_int32_index_tensors_are_read_by_value(kernel_device, seed):
+    """lengths, seq_ids and counts as strided int32 views and a column-major block table give the
+    results of their contiguous copies (the kernels index them at unit stride)."""
+    def strided(t):  # the same values at twice the stride (a column of a wider table)
+        return torch.stack([t, t * 0 - 7], dim=-1)[..., 0]
+
+    lengths = torch.tensor([5, 0, 11], dtype=torch.int32, device=kernel_device)
+    table = torch.tensor([[0, 3, 9], [1, 2, 4], [6, 5, 8]], dtype=torch.int32, device=kernel_device)
+    column_major = table.t().contiguous().t()
+    k = randn(10, 4, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    v = randn(10, 4, 2, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    q = randn(2, 4, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    seq_ids = torch.tensor([2, 0], dtype=torch.int32, device=kernel_device)
+    want = flash_decode(q, k, v, lengths, block_table=table, seq_ids=seq_ids, num_splits=2)
+    got = flash_decode(q, k, v, strided(lengths), block_table=column_major, seq_ids=strided(seq_ids), num_splits=2)
+    assert torch.equal(got, want)
+
+    caches = [torch.zeros(3, 6, 2, 16, dtype=torch.float16, device=kernel_device) for _ in range(4)]
+    new = randn(2, 3, 2, 16, dtype=torch.float16, seed=seed + 3, device=kernel_device)
+    start = torch.tensor([1, 2, 0], dtype=torch.int32, device=kernel_device)
+    counts = torch.tensor([3, 2], dtype=torch.int32, device=kernel_device)
+    kv_append(new, new, caches[0], caches[1], start, seq_ids=seq_ids, counts=counts)
+    kv_append(new, new, caches[2], caches[3], strided(start), seq_ids=strided(seq_ids), counts=strided(counts))
+    assert torch.equal(caches[2], caches[0]) and caches[0].abs().sum() > 0
+
+
 def test_kv_append_index_values_are_checked():
     kc = torch.zeros(2, 4, 1, 8)
     new = torch.zeros(2, 3, 1, 8)

@@ -493,6 +493,8 @@ def _valid_args():
     "change,error,match",
     [
         ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+        ({"lr": torch.tensor(float("nan"))}, ValueError, "lr must be >= 0, got nan"),
+        ({"lr": float("nan")}, ValueError, "lr must be >= 0, got nan"),
         ({"beta1": 1.0}, ValueError, r"beta1 must be in \[0, 1\)"),
         ({"beta2": -0.1}, ValueError, r"beta2 must be in \[0, 1\)"),
         ({"eps": -1e-8}, ValueError, "eps must be >= 0"),

@@ -224,7 +224,9 @@ def _window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int, i
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0 if right < 0 else min(right, 0)
-    return (UNBOUNDED if left < 0 else left), (UNBOUNDED if right < 0 else right)
+    # Sides past UNBOUNDED mean the same (no sequence is that long) and must not reach the
+    # kernels' int32 index math (2**31 - 1 overflowed there: all keys masked).
+    return (UNBOUNDED if left < 0 else min(left, UNBOUNDED)), (UNBOUNDED if right < 0 else min(right, UNBOUNDED))
 
 
 def _ref_window(left: int, right: int) -> tuple[int, int]:
@@ -776,6 +778,8 @@ def flash_attention_varlen(
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    # the kernels read cu_seqlens[b] at offset b: a strided view is copied (a few ints)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
                         "varlen", backend)
     return (out, lse) if return_lse else out
@@ -967,6 +971,10 @@ def apply_rope(
 
     inplace=True overwrites q and k (inference; not allowed when they need a gradient).
     Otherwise returns new tensors; differentiable in q and k (cos/sin are constants).
+
+    position_ids must lie in [0, max_positions): checked (ValueError) for CPU tensors; on a GPU
+    they are not read back (that would synchronize every call) and an id outside the table
+    reads outside it.
     """
     name = "apply_rope"
     for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -1002,6 +1010,11 @@ def apply_rope(
         if cos.ndim != 2:
             raise ValueError(f"{name}: with position_ids, cos/sin must be a (max_positions, R) table, got "
                              f"{tuple(cos.shape)}")
+        if position_ids.device.type == "cpu" and position_ids.numel() and not torch.compiler.is_compiling():
+            low, high = int(position_ids.min()), int(position_ids.max())
+            if low < 0 or high >= cos.shape[0]:
+                raise ValueError(f"{name}: position_ids must lie in [0, {cos.shape[0]}) (the table's rows), got "
+                                 f"values in [{low}, {high}]")
     elif not ((cos.ndim == 2 and cos.shape[0] == tq) or (cos.ndim == 3 and cos.shape[1] == tq
                                                           and cos.shape[0] in (1, bq))):
         raise ValueError(f"{name}: cos/sin must be (T, R) or (B or 1, T, R) with T={tq}, B={bq}; got "

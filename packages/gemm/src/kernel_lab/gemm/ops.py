@@ -822,6 +822,11 @@ class QuantizedWeight:
         if self.zeros is not None and (tuple(self.zeros.shape) != groups or self.zeros.dtype != torch.uint8):
             raise ValueError(f"{op}: zeros must be None or uint8 of shape {groups}, got {self.zeros.dtype} "
                              f"{tuple(self.zeros.shape)}")
+        # The kernels read the codes row-major and the zero points at the scales' strides: other
+        # layouts (a transposed copy's view, say) are made contiguous here (no copy otherwise).
+        self.qdata, self.scales = self.qdata.contiguous(), self.scales.contiguous()
+        if self.zeros is not None:
+            self.zeros = self.zeros.contiguous()
 
     @property
     def nbytes(self) -> int:

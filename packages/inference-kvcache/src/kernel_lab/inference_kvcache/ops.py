@@ -265,6 +265,9 @@ def kv_append_fwd(
     bsz, t_new, h_kv, d = k_new.shape
     if bsz * t_new == 0:
         return
+    # the kernel reads these at unit stride (block-table rows at unit column stride)
+    lengths, seq_ids, counts, block_table = (None if t is None else t.contiguous()
+                                             for t in (lengths, seq_ids, counts, block_table))
     if runtime.backend(k_cache) == "reference":
         reference.kv_append(
             k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts, block_table=block_table,
@@ -429,11 +432,12 @@ class DecodeCache:
         rows = _rows_of(k_cache, block_table)
         if lengths.shape[0] != rows:
             raise ValueError(f"lengths must have one entry per cache row ({rows}), got {lengths.shape[0]}")
-        # The kernels read int32 indices (no copy when they already are).
-        if lengths.dtype != torch.int32:
-            lengths = lengths.to(torch.int32)
-        if block_table is not None and block_table.dtype != torch.int32:
-            block_table = block_table.to(torch.int32)
+        # The kernels read int32 indices, lengths at unit stride and block-table rows at unit
+        # column stride: anything else is copied (no copy for the caches' own tensors, whose
+        # lengths the kernels must see advance).
+        lengths = lengths.to(torch.int32).contiguous()
+        if block_table is not None:
+            block_table = block_table.to(torch.int32).contiguous()
         self.k_cache, self.v_cache, self.lengths, self.block_table = k_cache, v_cache, lengths, block_table
         self.k_scale, self.v_scale = k_scale, v_scale
         self.device, self.dtype = device, k_cache.dtype
@@ -538,8 +542,7 @@ def decode_checked_cache(
         _check_index("seq_ids", seq_ids, c.device, 1)
         if seq_ids.shape[0] != bsz:
             raise ValueError(f"seq_ids must have one entry per query row ({bsz}), got {seq_ids.shape[0]}")
-        if seq_ids.dtype != torch.int32:
-            seq_ids = seq_ids.to(torch.int32)
+        seq_ids = seq_ids.to(torch.int32).contiguous()  # read at unit stride
     elif bsz > c.rows:
         raise ValueError(f"q has {bsz} sequences but the cache has {c.rows} rows")
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):

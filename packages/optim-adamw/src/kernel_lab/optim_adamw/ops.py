@@ -426,7 +426,8 @@ def check_hyperparameters(lr, beta1, beta2, eps, weight_decay, *, name: str) -> 
         if lr.numel() != 1 or not lr.dtype.is_floating_point:
             raise ValueError(f"{name}: a tensor lr must be a 1-element floating-point tensor, got {lr.dtype} "
                              f"of shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu" and float(lr) < 0:
+        # (a CUDA lr is not read back: that would synchronize every step; `not >=` also rejects NaN)
+        if lr.device.type == "cpu" and not float(lr) >= 0:
             raise ValueError(f"{name}: lr must be >= 0, got {float(lr)}")
     elif not isinstance(lr, (int, float)) or isinstance(lr, bool):
         raise TypeError(f"{name}: lr must be a float or a 1-element tensor, got {type(lr).__name__}")
