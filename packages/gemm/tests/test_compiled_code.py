@@ -84,6 +84,18 @@ def test_kernel_loads_are_pipelined_async_copies(case):
         assert not re.search(r"ld\.global(?:\.[a-z0-9]+)*\.b16", ptx), "2-byte global loads of the operands"
 
 
+def test_relu_epilogue_keeps_nan():
+    """relu(NaN) is NaN, as torch.relu: the epilogue's max must be max.NaN in the PTX (a plain
+    max.f32 returns 0; the interpreter's numpy max would not show the difference)."""
+    from kernel_lab.gemm import _kernels
+
+    name, pointers, constexprs, num_warps, num_stages = CASES["decode"]
+    relu = {**constexprs, "ACTIVATION": "relu", "WRITE_PARTIAL": False}
+    ptx = compile_for_sm90(getattr(_kernels, name), pointers, relu, num_warps, num_stages).asm["ptx"]
+    assert "max.NaN.f32" in ptx
+    assert "max.f32" not in ptx
+
+
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp16"])
 @pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 8)])
 def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n, num_warps):

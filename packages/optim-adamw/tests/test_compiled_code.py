@@ -28,20 +28,24 @@ def test_rerun_without_interpreter():
     testing.rerun_without_interpreter(__file__, timeout=600)
 
 
-def _memory_instructions(param_dtype, state_dtype, aligned: bool) -> collections.Counter:
-    """Unpredicated global loads/stores of the kernel (the masked tail block's are predicated),
-    at the launcher's tile sizes."""
+def _compile(param_dtype, state_dtype, aligned: bool, amsgrad: bool = False):
+    """The multi-tensor kernel compiled for sm_90 at the launcher's tile sizes."""
     from kernel_lab.optim_adamw import _kernels, ops
 
     scalars = ("lr", "step", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "log_beta1", "log_beta2", "eps",
                "weight_decay")
     types = {"ptr_table": "*i64", "numels": "*i64", "work_table": "*i64", "lr_ptr": "*fp32",
              **dict.fromkeys(scalars, "fp32")}
-    constexprs = dict(PARAM_DTYPE=param_dtype, GRAD_DTYPE=param_dtype, STATE_DTYPE=state_dtype, AMSGRAD=False,
+    constexprs = dict(PARAM_DTYPE=param_dtype, GRAD_DTYPE=param_dtype, STATE_DTYPE=state_dtype, AMSGRAD=amsgrad,
                       MAXIMIZE=False, MASTER=False, LR_FROM_PTR=False, STEP_FROM_PTR=True, ALIGNED=aligned,
                       CHUNK=ops.gpu_chunk(_TORCH_DTYPES[state_dtype]), BLOCK=ops.BLOCK)
-    compiled = testing.compile_for_sm90(_kernels._adamw_multi_tensor_kernel, types, constexprs,
-                                        num_warps=ops.NUM_WARPS, num_stages=3, aligned=True)
+    return testing.compile_for_sm90(_kernels._adamw_multi_tensor_kernel, types, constexprs,
+                                    num_warps=ops.NUM_WARPS, num_stages=3, aligned=True)
+
+
+def _memory_instructions(param_dtype, state_dtype, aligned: bool) -> collections.Counter:
+    """Unpredicated global loads/stores of the kernel (the masked tail block's are predicated)."""
+    compiled = _compile(param_dtype, state_dtype, aligned)
     return collections.Counter(i.split()[0] for i in testing.sass_instructions(compiled)
                                if i.startswith(("LDG", "STG")))
 
@@ -64,3 +68,12 @@ def test_aligned_blocks_use_16_byte_accesses(param_dtype, state_dtype):
     assert "LDG.E.U16" not in aligned, aligned
     unaligned = _memory_instructions(param_dtype, state_dtype, aligned=False)
     assert "LDG.E.128" not in unaligned, unaligned
+
+
+def test_amsgrad_max_propagates_nan():
+    """max_exp_avg_sq = max(max_exp_avg_sq, exp_avg_sq) keeps a NaN, as torch.maximum does: the PTX
+    uses max.NaN (a plain max.f32 returns the other operand; the interpreter's numpy max would not
+    show the difference)."""
+    ptx = _compile(tl.float32, tl.float32, aligned=True, amsgrad=True).asm["ptx"]
+    assert "max.NaN.f32" in ptx
+    assert "max.f32" not in ptx

@@ -39,7 +39,8 @@ def _activation(x, ACTIVATION: tl.constexpr):
         e = tl.exp(-tl.abs(x))
         x = x * tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     elif ACTIVATION == "relu":
-        x = tl.maximum(x, 0.0)
+        # NaN stays NaN, as torch.relu: a plain max (PTX max.f32) returns the non-NaN operand
+        x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     return x
 
 

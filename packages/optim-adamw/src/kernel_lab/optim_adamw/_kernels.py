@@ -106,7 +106,8 @@ def _update_block(
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
     if AMSGRAD:
-        v_max = tl.maximum(tl.load(vmax_ptr + offs, mask=mask).to(tl.float32), v)
+        # NaN propagates as in torch.maximum (a plain max would keep the old, finite v_max)
+        v_max = tl.maximum(tl.load(vmax_ptr + offs, mask=mask).to(tl.float32), v, propagate_nan=tl.PropagateNan.ALL)
         tl.store(vmax_ptr + offs, _to_storage(v_max, STATE_DTYPE), mask=mask)
         denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
     else:
