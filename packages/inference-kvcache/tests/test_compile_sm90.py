@@ -7,6 +7,8 @@ Under TRITON_INTERPRET=1 (CI) the kernels are interpreter objects, so one test r
 in a subprocess with the interpreter off.
 """
 
+import re
+
 import pytest
 
 pytest.importorskip("triton")
@@ -42,6 +44,10 @@ def test_append_kernel_compiles_for_sm90(cache_dtype, paged):
         "BLOCK_H": 8, "BLOCK_D": 128,
     })
     assert "cubin" in kernel.asm
+    if quant:  # NaN is stored as NaN (as the reference's torch.clamp): the clamp's min/max keep it
+        ptx = kernel.asm["ptx"]
+        assert re.search(r"\b(?:min|max)\.NaN[.\w]*\.f32", ptx)
+        assert not re.search(r"\b(?:min|max)(?:\.xorsign\.abs)?\.f32\b", ptx)
 
 
 @pytest.mark.parametrize(

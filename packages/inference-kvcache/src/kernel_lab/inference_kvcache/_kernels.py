@@ -96,10 +96,12 @@ def _kv_append_kernel(
         v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < H, other=1.0)
         # div_rn, IEEE division: Triton's `/` on float32 is approximate (div.full.f32), which put
         # values near an e4m3 rounding boundary on the other side of it from torch's x / scale.
+        # A NaN stays NaN (as torch.clamp and the reference): a plain clamp's min/max would store
+        # it as -448 on a GPU.
         k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -_FP8_E4M3_MAX,
-                                    _FP8_E4M3_MAX))
+                                    _FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
         v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -_FP8_E4M3_MAX,
-                                    _FP8_E4M3_MAX))
+                                    _FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
     cache_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
