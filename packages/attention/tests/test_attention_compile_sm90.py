@@ -8,6 +8,8 @@ softmax math in fp32 then (a GPU run failed on exactly that). Under TRITON_INTER
 kernels are interpreter objects, so one test reruns this file with the interpreter off.
 """
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -52,7 +54,7 @@ def test_forward_kernel_compiles_for_sm90(dtype, head_dim, varlen, float_type, b
     kernel = _compile(_kernels._attn_fwd_kernel, _ptrs(dtype, FWD_NAMES), {
         "IS_VARLEN": varlen, "USE_TMA": False, "BSHD": False, "HEAD_DIM": head_dim,
         "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_M": bm, "BLOCK_N": bn,
-        "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "OFFSETS_64": varlen,
     }, float_type=float_type, num_warps=warps, num_stages=stages)
     assert "cubin" in kernel.asm
 
@@ -69,10 +71,27 @@ def test_tma_forward_kernel_compiles_for_sm90(head_dim, bshd, blocks):
         types[name] = f"tensordesc<bf16{rows(n)}>"
     kernel = _compile(_kernels._attn_fwd_kernel, types, {
         "IS_VARLEN": False, "USE_TMA": True, "BSHD": bshd, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
-        "BLOCK_M": bm, "BLOCK_N": bn, "DOT_PRECISION": "tf32",
+        "BLOCK_M": bm, "BLOCK_N": bn, "DOT_PRECISION": "tf32", "OFFSETS_64": bshd,
     }, float_type="fp64", num_warps=warps, num_stages=stages)
     assert "cubin" in kernel.asm
     assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "no TMA load in the forward"
+
+
+@pytest.mark.parametrize("offsets_64", [False, True])
+def test_token_offsets_are_64_bit_only_with_offsets_64(offsets_64):
+    """The launcher passes strides below 2**31 as int32, so row offset x token stride is a 32-bit
+    multiply (mul.lo.s32) unless OFFSETS_64 widens the offsets first (mul.lo.s64): what a
+    (B, T, H, D) prefill past 2**31 / (H * D) tokens needs (ops._offsets_64)."""
+    fn = _kernels._attn_fwd_kernel
+    types = {**_ptrs("bf16", FWD_NAMES), **{n: "i32" for n in fn.arg_names if n.startswith("stride")}}
+    kernel = _compile(fn, types, {
+        "IS_VARLEN": False, "USE_TMA": False, "BSHD": True, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128,
+        "BLOCK_N": 64, "DOT_PRECISION": "tf32", "OFFSETS_64": offsets_64,
+    })
+    ptx = kernel.asm["ptx"]
+    wide, narrow = len(re.findall(r"mul\.lo\.s64", ptx)), len(re.findall(r"mul\.lo\.s32", ptx))
+    # (the per-row address multiplies of q, k, v and out outnumber every other multiply)
+    assert (wide > narrow) == offsets_64, (wide, narrow)
 
 
 HOPPER_SMEM = 227 * 1024  # shared memory a Hopper block may use
@@ -87,7 +106,7 @@ def test_backward_kernels_compile_for_sm90(dtype, head_dim, float_type):
 
     itemsize = 4 if dtype == "fp32" else 2
     common = {"IS_VARLEN": False, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
-              "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+              "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "OFFSETS_64": float_type == "fp64"}
     names = ("Q", "K", "V", "DO", "Out", "LSE", "DLSE", "DELTA", "DK", "DV", "DQ", "CU_SEQLENS_Q", "CU_SEQLENS_K")
     compiled = {}
     for kind, fn in (("dkdv", _kernels._attn_bwd_dkdv_kernel), ("dq", _kernels._attn_bwd_dq_kernel)):

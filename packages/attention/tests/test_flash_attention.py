@@ -14,7 +14,7 @@ import torch
 
 from kernel_lab.attention import attention, attention_backend, flash_attention, flash_attention_varlen
 from kernel_lab.attention import ops as attention_ops
-from kernel_lab.shared import reference, testing
+from kernel_lab.shared import reference, runtime, testing
 
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
 
@@ -409,6 +409,49 @@ def test_varlen_matches_reference_with_empty_and_single_token_sequences(kernel_d
     base_grads = torch.autograd.grad(base, base_leaves, do)
     for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, strict=True):
         testing.assert_close_to_reference(g, r, bg, factor=BWD_FACTOR, name=name)
+
+
+def test_int64_token_offsets_are_chosen_past_2_to_the_31():
+    """OFFSETS_64 (token offsets in int64) exactly where a row offset times a token stride can
+    reach 2**31: a 1M-token Llama-3-8B prefill in (B, T, H, D), not 128k tokens; (B, H, T, D)
+    only past 16M tokens. Shapes only (meta tensors, nothing allocated)."""
+    from kernel_lab.attention import ops
+
+    def bshd(t, h):
+        return torch.empty(1, t, h, 128, device="meta")
+
+    assert ops._offsets_64("bshd", bshd(1 << 20, 32))
+    assert not ops._offsets_64("bshd", bshd(1 << 17, 32), bshd(1 << 17, 8))
+    assert not ops._offsets_64("bhsd", torch.empty(1, 32, 1 << 20, 128, device="meta"))
+    assert ops._offsets_64("varlen", torch.empty(1 << 20, 32, 128, device="meta"))
+    assert ops._offsets_64("bshd", bshd(1 << 17, 8), bshd(1 << 19, 32))  # any tensor decides
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_int64_token_offsets_give_the_same_results(layout, kernel_device, seed, monkeypatch):
+    """The kernels with OFFSETS_64 forced on small shapes: the int64 path computes what the int32
+    one does (forward, lse and gradients bit for bit)."""
+    ops = attention_ops
+    q, k, v, do = _make((1, 4, 45, 32), (1, 2, 37, 32), torch.float16, kernel_device, seed, layout)
+    def run():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = flash_attention(*leaves, causal=True, layout=layout, return_lse=True, backend="triton")
+        return (out, lse, *torch.autograd.grad(out, leaves, do))
+    want = run()
+    monkeypatch.setattr(ops, "_offsets_64", lambda layout, *tensors: True)
+    # fresh recipes and launch plans: the cached ones were worked out with the flag off
+    monkeypatch.setattr(ops, "_FWD_RECIPES", {})
+    monkeypatch.setattr(ops, "_BWD_RECIPES", {})
+    for launcher in runtime._DIRECT_LAUNCHERS.values():
+        if hasattr(launcher, "_plans"):
+            monkeypatch.setattr(launcher, "_plans", {})
+    got = run()
+    assert [r[0].keywords["OFFSETS_64"] for r in ops._FWD_RECIPES.values()] == [True]
+    assert [(r[0].keywords["OFFSETS_64"], r[2].keywords["OFFSETS_64"]) for r in ops._BWD_RECIPES.values()] == [
+        (True, True)]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.interpret

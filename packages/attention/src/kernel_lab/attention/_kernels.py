@@ -72,6 +72,16 @@ def _allowed(offs_m, offs_n, seqlen_q, seqlen_k, left, right):
 
 
 @triton.jit
+def _token_offsets(offs, OFFSETS_64: tl.constexpr):
+    """Row offsets about to be multiplied by a token stride: int64 when the launcher found that
+    rows x token stride can pass 2**31 (e.g. a (B, T, H, D) layout with T x H x D >= 2**31, a
+    1M-token Llama-3-8B prefill), else as they are (int32 math, the usual shapes' code)."""
+    if OFFSETS_64:
+        offs = offs.to(tl.int64)
+    return offs
+
+
+@triton.jit
 def _tma_rows(desc, b, h, t0, BSHD: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """(ROWS, BLOCK_D) block of rows [t0, t0 + ROWS) of head h of sequence b, through a 4-D
     tensor descriptor over (B, H, T, D), or (B, T, H, D) when BSHD; zeros past T and D."""
@@ -87,7 +97,7 @@ def _fwd_inner(
     acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
     n_lo, n_hi, seqlen_q, seqlen_k, left, right, qk_scale,
     MASK: tl.constexpr, USE_TMA: tl.constexpr, BSHD: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [n_lo, n_hi). k_src / v_src:
     tensor descriptors (USE_TMA, addressed by pid_b and kv_h) or this head's base pointers."""
@@ -100,8 +110,9 @@ def _fwd_inner(
             v = _tma_rows(v_src, pid_b, kv_h, n0, BSHD, BLOCK_N, BLOCK_D)
         else:
             # K is read transposed, (D, N), so QK^T is a plain (M, D) @ (D, N) dot.
-            kt_ptrs = k_src + offs_n[None, :] * stride_kt + offs_d[:, None]
-            v_ptrs = v_src + offs_n[:, None] * stride_vt + offs_d[None, :]
+            tok_n = _token_offsets(offs_n, OFFSETS_64)
+            kt_ptrs = k_src + tok_n[None, :] * stride_kt + offs_d[:, None]
+            v_ptrs = v_src + tok_n[:, None] * stride_vt + offs_d[None, :]
             if MASK:
                 kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
                 v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
@@ -155,6 +166,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_64: tl.constexpr,  # token offsets in int64 (see _token_offsets)
 ):
     # One flat grid axis (2**31 programs, where axis 1 stops at 65535), query blocks fastest:
     # programs running together share one head's K/V in L2. Last query blocks first: under a
@@ -177,6 +189,7 @@ def _attn_fwd_kernel(
     lse_base = LSE + pid_b.to(tl.int64) * stride_lb + pid_h.to(tl.int64) * stride_lh + q_start.to(tl.int64)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
+    tok_m = _token_offsets(offs_m, OFFSETS_64)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -186,7 +199,7 @@ def _attn_fwd_kernel(
         v_src = V
     else:
         q_base = Q + pid_b.to(tl.int64) * stride_qb + pid_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qt
-        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+        q = tl.load(q_base + tok_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
         k_src = K + pid_b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kt
         v_src = V + pid_b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vt
 
@@ -196,20 +209,20 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
                                lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
-                               True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                               True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
                                full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                               False, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                               False, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, pid_b, kv_h, offs_m, offs_d,
                                full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                               True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                               True, USE_TMA, BSHD, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
 
     # A row that saw no key has l = 0: its output is 0 and its logsumexp -inf.
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
+    tl.store(o_base + tok_m[:, None] * stride_ot + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
     tl.store(lse_base + offs_m, lse, mask=row_ok)
 
 
@@ -223,7 +236,7 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
     offs_n, offs_d, m_lo, m_hi, seqlen_q, seqlen_k, left, right, qk_scale,
     MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [m_lo, m_hi), all transposed:
     S^T = K Q^T (N, M), so P^T is used as is in dV += P^T dO and dK += dS^T Q."""
@@ -231,8 +244,9 @@ def _bwd_dkdv_inner(
     d_ok = offs_d < HEAD_DIM
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + arange_m
-        qt_ptrs = q_base + offs_m[None, :] * stride_qt + offs_d[:, None]
-        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        tok_m = _token_offsets(offs_m, OFFSETS_64)
+        qt_ptrs = q_base + tok_m[None, :] * stride_qt + offs_d[:, None]
+        do_ptrs = do_base + tok_m[:, None] * stride_dot + offs_d[None, :]
         if MASK:
             row_ok = offs_m < seqlen_q
             qt = tl.load(qt_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
@@ -279,6 +293,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_64: tl.constexpr,  # token offsets in int64 (see _token_offsets)
 ):
     # Flat grid, key blocks fastest (see the forward). Under a causal mask the first key
     # blocks are read by the most queries, and they already come first.
@@ -314,13 +329,13 @@ def _attn_bwd_dkdv_kernel(
         delta_base = DELTA + pid_b.to(tl.int64) * stride_lb + h * stride_lh + q_start.to(tl.int64)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 False, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                                 False, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
                                  offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                                 True, BLOCK_M, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     dk = dk * sm_scale
     tl.store(DK + pid_b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh + rows_k[:, None] * stride_dkt
              + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -333,15 +348,16 @@ def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
     n_lo, n_hi, seqlen_q, seqlen_k, left, right, qk_scale,
     MASK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks [n_lo, n_hi): dQ += dS K."""
     arange_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + arange_n
-        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
-        vt_ptrs = v_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        tok_n = _token_offsets(offs_n, OFFSETS_64)
+        kt_ptrs = k_base + tok_n[None, :] * stride_kt + offs_d[:, None]
+        vt_ptrs = v_base + tok_n[None, :] * stride_vt + offs_d[:, None]
         if MASK:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
             vt = tl.load(vt_ptrs, mask=d_ok[:, None] & (offs_n[None, :] < seqlen_k), other=0.0)
@@ -378,6 +394,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_64: tl.constexpr,  # token offsets in int64 (see _token_offsets)
 ):
     """dQ of BLOCK_M query rows, and their delta = rowsum(dO * O) (minus dlse, the logsumexp's
     gradient, when the caller used it): the softmax-Jacobian term that this kernel uses and
@@ -420,13 +437,13 @@ def _attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m0, seqlen_q, seqlen_k, left, right, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        lo, full_lo, seqlen_q, seqlen_k, left, right, qk_scale,
-                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        full_lo, full_hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                       False, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                       False, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d,
                        full_hi, hi, seqlen_q, seqlen_k, left, right, qk_scale,
-                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                       True, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, OFFSETS_64)
     dq = dq * sm_scale
     tl.store(DQ + pid_b.to(tl.int64) * stride_dqb + pid_h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)

@@ -193,6 +193,19 @@ def _bht_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return t.stride(0), t.stride(2), t.stride(1)
 
 
+# Rows past a tensor's last token that a (masked) tile can still address: the largest BLOCK_M /
+# BLOCK_N, with margin.
+OFFSET_OVERHANG = 512
+
+
+def _offsets_64(layout: str, *tensors: torch.Tensor) -> bool:
+    """Whether a row offset (up to a tensor's token count plus a tile's overhang) times its token
+    stride can reach 2**31, so the kernels must form token offsets in int64 (OFFSETS_64, see
+    _kernels._token_offsets): e.g. (B, T, H, D) tensors with T * H * D >= 2**31."""
+    return any((_dims(t, layout)[2] + OFFSET_OVERHANG) * abs(_bht_strides(t, layout)[2]) + t.shape[-1] >= 2**31
+               for t in tensors)
+
+
 def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     """(batch, heads, tokens) of a tensor in `layout` (batch is 1 for packed)."""
     if layout == "varlen":
@@ -311,7 +324,8 @@ def _fwd_recipe(plan, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q: int, masked
                                     tma=use_tma, rows=max(rows_q, seqlen_k), masked=masked)
     grid = _grid(meta, lambda m: (runtime.cdiv(rows_q, m["BLOCK_M"]) * batch * n_heads,))
     consts = dict(IS_VARLEN=varlen, USE_TMA=use_tma, BSHD=layout == "bshd", HEAD_DIM=head_dim,
-                  BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
+                  BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+                  OFFSETS_64=_offsets_64(layout, q, k, v, out))
     launch = functools.partial(runtime.launchable(kernel, False, plan)[grid], **consts, **meta)
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     ints = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
@@ -435,7 +449,7 @@ def _bwd_recipe(plan, do, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, max
         return None, (), None, (), False
     head_dim, group = q.shape[-1], n_heads // n_kv_heads
     common = dict(IS_VARLEN=varlen, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-                  DOT_PRECISION=_dot_precision(q.dtype))
+                  DOT_PRECISION=_dot_precision(q.dtype), OFFSETS_64=_offsets_64(layout, q, k, v, do))
     strides_in = (*_bht_strides(q, layout), *_bht_strides(k, layout), *_bht_strides(v, layout),
                   *_bht_strides(do, layout))
     stride_lse = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
