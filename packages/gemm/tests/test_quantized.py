@@ -268,3 +268,15 @@ def test_quantized_weight_from_strided_tensors_gives_the_contiguous_result(kerne
                               qw.shape, qw.dtype)
     x = testing.randn(m, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
     assert torch.equal(quantized_matmul(x, strided), quantized_matmul(x, qw))
+
+
+def test_column_major_x_past_int32_k_offsets_is_read_as_rows():
+    """The prefill kernels of quantized_matmul and rms_norm_linear form column x column-stride
+    offsets in int32: a column-major x whose offsets could reach 2**31 is copied to rows first;
+    smaller strided x is read in place. Shapes only (meta tensors)."""
+    from kernel_lab.gemm import ops
+
+    wide = torch.empty(8192, 300000, device="meta").t()  # (300000, 8192), column stride 300000
+    assert ops._rows_for_int32_k_offsets(wide).stride() == (8192, 1)
+    small = torch.empty(64, 1000).t()
+    assert ops._rows_for_int32_k_offsets(small) is small

@@ -852,6 +852,19 @@ class QuantizedWeight:
         return w.to(self.dtype)
 
 
+# Columns past K that a masked K tile still addresses (the largest BLOCK_K, with margin).
+K_OFFSET_OVERHANG = 1024
+
+
+def _rows_for_int32_k_offsets(x2: torch.Tensor) -> torch.Tensor:
+    """x2 (M, K), copied to rows when its K offsets (column index x column stride, int32 in the
+    prefill kernels of quantized_matmul and rms_norm_linear) could reach 2**31: a column-major
+    x with M x K >= 2**31 elements. Every other layout is read in place."""
+    if (x2.shape[1] + K_OFFSET_OVERHANG) * abs(x2.stride(1)) >= 2**31:
+        return x2.contiguous()
+    return x2
+
+
 def quantize_weight(
     w: torch.Tensor, bits: int = 8, group_size: int | None = 128, symmetric: bool = True
 ) -> QuantizedWeight:
@@ -933,7 +946,7 @@ def quantized_matmul(
     _check_same_device(op, x, qdata=qweight.qdata, scales=qweight.scales, zeros=qweight.zeros, bias=bias)
     runtime.check_backend(op, backend, x)
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), k)
+    x2 = _rows_for_int32_k_offsets(x.reshape(math.prod(lead), k))
     args = (qweight.qdata, qweight.scales, qweight.zeros, bias, qweight.bits, qweight.group_size)
     if backend == "reference":
         y = reference.quantized_matmul(
@@ -989,7 +1002,7 @@ def rms_norm_linear(
     _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)
     runtime.check_backend(op, backend, x)
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), k)
+    x2 = _rows_for_int32_k_offsets(x.reshape(math.prod(lead), k))
     if backend == "reference":
         y = reference.rms_norm_linear(x2, norm_weight, weight, eps, bias, compute_dtype=torch.float32).to(x.dtype)
     elif torch.compiler.is_compiling():
