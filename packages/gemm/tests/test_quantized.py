@@ -47,14 +47,12 @@ def test_quantize_round_trip_is_exact_for_representable_weights(seed, bits, symm
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_quantization_error_is_within_half_a_step(seed, bits, symmetric):
-    """Round-to-nearest: |w - dequant(w)| <= scale / 2, plus two effects that can push the
-    extreme code past the range and clamp it: the scale is rounded to bfloat16 (relative error
-    <= 2^-9, i.e. <= q_range * 2^-9 steps at the extreme code) and, asymmetric only, the zero
-    point is rounded to an integer (<= 1/2 step)."""
+    """Round-to-nearest: |w - dequant(w)| <= scale / 2, plus, asymmetric only, the zero point
+    rounded to an integer (<= 1/2 step). The stored scale is rounded up, so no extreme code is
+    pushed past the range and clamped."""
     w = testing.randn(8, 128, dtype=torch.bfloat16, seed=seed)
     qw = quantize_weight(w, bits, 32, symmetric)
-    q_range = ((1 << (bits - 1)) - 1) if symmetric else ((1 << bits) - 1)
-    bound = 0.5 + (0.0 if symmetric else 0.5) + q_range * 2.0**-9
+    bound = 0.5 + (0.0 if symmetric else 0.5)
     step = qw.scales.double().repeat_interleave(32, dim=1)
     exact = reference.dequantize_weight(qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=32)
     err = (exact - w.double()).abs()
@@ -280,3 +278,19 @@ def test_column_major_x_past_int32_k_offsets_is_read_as_rows():
     assert ops._rows_for_int32_k_offsets(wide).stride() == (8192, 1)
     small = torch.empty(64, 1000).t()
     assert ops._rows_for_int32_k_offsets(small) is small
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tiny_float16_weights_keep_their_codes(seed, bits):
+    """float16 groups whose max|w| (1e-4) is far below float16's smallest normal times the code
+    range: the scales go subnormal (rounded up) instead of being clamped at 6.1e-5, which left
+    such a group the codes 0..2 at int8."""
+    w = (testing.randn(8, 128, seed=seed) * 1e-4).to(torch.float16)
+    qw = quantize_weight(w, bits, 32, True)
+    qmax = 127 if bits == 8 else 7
+    amax = w.float().reshape(8, 4, 32).abs().amax(-1)
+    assert (qw.scales.float() >= amax / qmax).all()
+    exact = reference.dequantize_weight(qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=32)
+    err = (exact - w.double()).abs()
+    assert (err <= qw.scales.double().repeat_interleave(32, dim=1) / 2).all()
+    assert err.max() <= 0.6 * w.double().abs().max() / qmax

@@ -852,6 +852,18 @@ class QuantizedWeight:
         return w.to(self.dtype)
 
 
+def _stored_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 group scales stored in `dtype`, rounded up (never below the exact quotient) and at
+    least `dtype`'s smallest positive subnormal. Codes computed from them never pass the code
+    range, so round-to-nearest keeps every weight within half a step; and a group of tiny float16
+    weights keeps its codes (a clamp at the smallest normal, 6.1e-5, left a group with max|w| of
+    1e-4 the codes 0..2 at int8)."""
+    as_int = torch.int32 if dtype == torch.float32 else torch.int16
+    stored = scales.clamp_min(torch.tensor(1, dtype=as_int).view(dtype).item()).to(dtype)
+    # positive floats order as their bit patterns: +1 is the next representable value up
+    return torch.where(stored.float() < scales, (stored.view(as_int) + 1).view(dtype), stored)
+
+
 # Columns past K that a masked K tile still addresses (the largest BLOCK_K, with margin).
 K_OFFSET_OVERHANG = 1024
 
@@ -875,8 +887,9 @@ def quantize_weight(
     (int8) or [-7, 7] (int4, stored offset by 8), scale = max|w| / 127 (or 7) per group;
     symmetric=False: w ~= (code - zero) * scale with unsigned codes, the group's [min, max]
     (widened to contain 0) mapped onto [0, 255] (or [0, 15]) and a uint8 zero point per group.
-    Round-to-nearest. The scales are stored in w's dtype and the codes computed from the stored
-    scales, so a weight of the form code * scale (with exact scales) round-trips exactly.
+    Round-to-nearest. The scales are stored in w's dtype, rounded up (`_stored_scales`), and the
+    codes computed from the stored scales, so a weight of the form code * scale (with exact
+    scales) round-trips exactly and no code is clamped by the scale's rounding.
 
     Raises TypeError for non-float weights, ValueError for bits not in (4, 8), a group_size that
     does not divide K or is not a multiple of 32, or an odd K for int4.
@@ -895,10 +908,9 @@ def quantize_weight(
     if bits == 4 and k % 2:
         raise ValueError(f"{op}: int4 packs two columns per byte and needs an even K, got K = {k}")
     wg = w.detach().float().reshape(n, k // group_size, group_size)
-    tiny = torch.finfo(w.dtype).tiny
     if symmetric:
         qmax = 127 if bits == 8 else 7
-        scales = (wg.abs().amax(-1) / qmax).clamp_min(tiny).to(w.dtype)
+        scales = _stored_scales(wg.abs().amax(-1) / qmax, w.dtype)
         codes = torch.round(wg / scales.float()[..., None]).clamp(-qmax, qmax).to(torch.int32)
         zeros = None
         if bits == 4:
@@ -907,7 +919,7 @@ def quantize_weight(
         levels = (1 << bits) - 1
         lo = wg.amin(-1).clamp(max=0.0)
         hi = wg.amax(-1).clamp(min=0.0)
-        scales = ((hi - lo) / levels).clamp_min(tiny).to(w.dtype)
+        scales = _stored_scales((hi - lo) / levels, w.dtype)
         s = scales.float()
         zeros_i = torch.round(-lo / s).clamp(0, levels)
         codes = torch.round(wg / s[..., None] + zeros_i[..., None]).clamp(0, levels).to(torch.int32)
