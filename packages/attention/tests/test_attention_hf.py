@@ -22,6 +22,16 @@ def test_register_hf_without_transformers_raises_clear_import_error():
         patch_hf(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("feature, match", [({"softcap": 50.0}, "soft-capping"),
+                                            ({"s_aux": torch.zeros(2)}, "attention sinks")])
+def test_hf_attention_forward_refuses_what_it_cannot_compute(feature, match):
+    """Logit soft-capping and attention sinks (gpt-oss `s_aux`) change the softmax: refused with a
+    clear error, not silently dropped (no transformers needed: the function is called directly)."""
+    q = k = v = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=match):
+        modules.hf_attention_forward(torch.nn.Module(), q, k, v, None, **feature)
+
+
 def _tiny_llama(device, attn_implementation, dtype=torch.float32):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -136,3 +136,17 @@ def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
         (y.float().sum() + x.float().sum()).backward()
     with torch.no_grad():
         assert not rms_norm_linear(x, g, w).requires_grad
+
+
+def test_rms_norm_linear_from_modules_rejects_offset_norms_and_keeps_eps_zero():
+    """A norm scaling by offset + weight (Gemma style) cannot be fused as a plain weight: a clear
+    error, not a result off by the offset. eps = 0 is kept as given, not replaced by 1e-6."""
+    lin = torch.nn.Linear(16, 4, bias=False)
+    offset_norm = torch.nn.RMSNorm(16)
+    offset_norm.offset = 1.0  # as kernel_lab.norms.RMSNorm(16, offset=1.0) carries it
+    with pytest.raises(ValueError, match="offset \\+ weight"):
+        RMSNormLinear.from_modules(offset_norm, lin)
+    GemmaRMSNorm = type("GemmaRMSNorm", (torch.nn.RMSNorm,), {})
+    with pytest.raises(ValueError, match="offset \\+ weight"):
+        RMSNormLinear.from_modules(GemmaRMSNorm(16), lin)
+    assert RMSNormLinear.from_modules(torch.nn.RMSNorm(16, eps=0.0), lin).eps == 0.0

@@ -218,6 +218,20 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
     assert patch_hf(model) == 0  # nothing left to swap
 
 
+def test_patch_hf_leaves_layer_norm_subclasses_and_replaces_shared_modules_once():
+    """A subclass of nn.LayerNorm computes something else under the same parameters (Nemotron's
+    weight + 1): it is left alone. A norm shared by two parents becomes one module, counted once."""
+    class OffsetLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+    shared = nn.LayerNorm(8)
+    model = nn.Sequential(OffsetLayerNorm(8), nn.Sequential(shared), nn.Sequential(shared))
+    assert patch_hf(model) == 1
+    assert type(model[0]) is OffsetLayerNorm
+    assert isinstance(model[1][0], LayerNorm) and model[1][0] is model[2][0]
+
+
 @pytest.mark.interpret
 def test_patch_hf_on_a_transformers_llama_keeps_logits(kernel_device, seed):
     # float32 on both sides: the only difference is our kernels against HF's eager norm

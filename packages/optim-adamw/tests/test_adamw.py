@@ -600,3 +600,29 @@ def test_adamw_zero_grad_and_closure():
     p.grad = torch.ones(3)
     opt.zero_grad()
     assert p.grad is None
+
+
+def test_a_param_resized_after_its_first_step_raises():
+    """p.data replaced by a larger tensor: the kernel would walk the old state's size over the new
+    param (memory corruption); a clear error instead, as torch.optim.AdamW also fails."""
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = AdamW([p], lr=1e-3)
+    p.grad = torch.ones(6)
+    opt.step()
+    p.data = torch.zeros(64)
+    p.grad = torch.ones(64)
+    with pytest.raises(ValueError, match=r"is \(64,\) but its optimizer state is \(6,\)"):
+        opt.step()
+
+
+def test_loading_a_torch_adamw_checkpoint_keeps_master_weights():
+    """A torch.optim.AdamW state_dict has no master_weights setting: this optimizer's is kept (as
+    state_dtype is), and the float32 master copy is made at the next step."""
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    source = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))], lr=1e-3)
+    opt = AdamW([p], lr=1e-3, master_weights=True)
+    opt.load_state_dict(source.state_dict())
+    assert opt.param_groups[0]["master_weights"] is True
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.state[p]["master_param"].dtype == torch.float32

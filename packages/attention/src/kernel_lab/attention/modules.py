@@ -44,6 +44,8 @@ def hf_attention_forward(
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("kernel_lab attention: logit soft-capping (Gemma-2 `softcap`) is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("kernel_lab attention: attention sinks (gpt-oss `s_aux`) are not supported")
     if dropout and module.training:
         raise ValueError("kernel_lab attention: attention dropout is not supported (set attention_dropout=0)")
     if attention_mask is not None:

@@ -83,8 +83,15 @@ class RMSNormLinear(nn.Module):
 
     @classmethod
     def from_modules(cls, norm: nn.Module, linear: nn.Linear) -> RMSNormLinear:
-        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
-        return cls(norm.weight, linear, float(eps))
+        """Raises ValueError for a norm that scales by offset + weight (kernel_lab's RMSNorm with
+        offset != 0, Hugging Face's Gemma norms): the fused kernel multiplies by the weight alone."""
+        if getattr(norm, "offset", 0.0) != 0.0 or type(norm).__name__.startswith("Gemma"):
+            raise ValueError(f"RMSNormLinear.from_modules: {type(norm).__name__} scales by offset + weight "
+                             "(Gemma style); the fused kernel supports a plain weight only")
+        eps = getattr(norm, "eps", None)
+        if eps is None:
+            eps = getattr(norm, "variance_epsilon", None)
+        return cls(norm.weight, linear, 1e-6 if eps is None else float(eps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_linear(x, self.norm_weight, self.linear.weight, eps=self.eps, bias=self.linear.bias)

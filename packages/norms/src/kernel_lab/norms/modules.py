@@ -89,7 +89,9 @@ def _replacement(module: nn.Module) -> nn.Module | None:
         new = RMSNorm(weight.shape[0], float(eps), HF_RMS_NORM_OFFSETS[name], device="meta")
         new.weight = weight  # the same Parameter: tying, device, dtype and optimizer state kept
         return new
-    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+    # nn.LayerNorm itself, not subclasses: those compute something else (Nemotron's weight + 1,
+    # channels-first 2-D norms) under the same parameters.
+    if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
         new = LayerNorm(module.normalized_shape[0], module.eps, elementwise_affine=False)
         new.weight, new.bias = module.weight, module.bias
         return new
@@ -99,20 +101,22 @@ def _replacement(module: nn.Module) -> nn.Module | None:
 def patch_hf(model: nn.Module) -> int:
     """Replace, in place, the RMSNorm modules of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
     Gemma model (matched by class name, see HF_RMS_NORM_OFFSETS) and every 1-D
-    `torch.nn.LayerNorm` by kernel_lab's `RMSNorm` / `LayerNorm`, keeping the same weight
-    Parameters. Returns how many modules were swapped.
+    `torch.nn.LayerNorm` (not its subclasses) by kernel_lab's `RMSNorm` / `LayerNorm`, keeping the
+    same weight Parameters; a module shared by several parents is replaced by one module. Returns
+    how many modules were swapped.
 
     Differs from Hugging Face's LlamaRMSNorm in rounding only: that one rounds the normalized
     value to the input dtype before multiplying by the weight (and returns the promoted dtype
     when the weight is float32 and the input is not); ours applies the weight in float32 and
     rounds once, to the input dtype.
     """
-    swaps = []
+    swaps, replaced = [], {}  # a module shared by several parents gets one replacement, counted once
     for _, parent in model.named_modules():
         for child_name, child in parent.named_children():
-            new = _replacement(child)
-            if new is not None:
-                swaps.append((parent, child_name, new))
+            if id(child) not in replaced:
+                replaced[id(child)] = _replacement(child)
+            if replaced[id(child)] is not None:
+                swaps.append((parent, child_name, replaced[id(child)]))
     for parent, child_name, new in swaps:
         setattr(parent, child_name, new)
-    return len(swaps)
+    return sum(new is not None for new in replaced.values())

@@ -193,6 +193,12 @@ class AdamW(torch.optim.Optimizer):
         grads, as_is = [], True
         for i, p, g in zip(index, params, current, strict=True):
             ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
+            moment = self.state.get(p, {}).get("exp_avg")
+            if moment is not None and moment.shape != p.shape:
+                # (a param resized in place, p.data = ...: the kernel would walk the old state's
+                # size over the new param; torch.optim.AdamW fails on the mismatch too)
+                raise ValueError(f"AdamW: param_groups[{gi}] parameter {i} is {tuple(p.shape)} but its optimizer "
+                                 f"state is {tuple(moment.shape)}: it changed shape after its first step")
             if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
                 # the kernel walks param, grad and state in the same memory order
                 g = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -250,9 +256,13 @@ class AdamW(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         state_dtypes = [g["state_dtype"] for g in self.param_groups]
+        masters = [g["master_weights"] for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, saved, state_dtype in zip(self.param_groups, state_dict["param_groups"], state_dtypes, strict=True):
+        for group, saved, state_dtype, master in zip(self.param_groups, state_dict["param_groups"], state_dtypes,
+                                                     masters, strict=True):
+            # a torch.optim.AdamW checkpoint has neither setting: this optimizer's are kept
             group["state_dtype"] = saved.get("state_dtype", state_dtype)
+            group["master_weights"] = saved.get("master_weights", master)
             check_state_dtype(group["state_dtype"], "AdamW.load_state_dict")
         groups = chain.from_iterable([(p, g) for p in g["params"]] for g in self.param_groups)
         for saved_id, (p, group) in zip(saved_ids, groups, strict=True):
