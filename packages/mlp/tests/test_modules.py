@@ -112,6 +112,16 @@ def test_patch_hf_replaces_gated_mlps_by_their_activation_and_keeps_weights(seed
     assert mlp.patch_hf(model) == 0  # idempotent
 
 
+def test_patch_hf_leaves_sparse_activation_mlps_alone():
+    """Gemma 3n's MLP layers with activation_sparsity > 0 take a top-k of the gate first: not a
+    plain gated MLP, left alone (the dense layers, sparsity 0, are swapped)."""
+    sparse, dense = _ToyHFMLP(nn.GELU(approximate="tanh")), _ToyHFMLP(nn.GELU(approximate="tanh"))
+    sparse.activation_sparsity, dense.activation_sparsity = 0.95, 0.0
+    model = nn.ModuleList([sparse, dense])
+    assert mlp.patch_hf(model) == 1
+    assert model[0] is sparse and isinstance(model[1], mlp.GeGLUMLP)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
 def test_patch_hf_on_small_transformers_model_keeps_logits(seed, family):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -129,8 +129,9 @@ def patch_hf(model: nn.Module) -> int:
     """Replace, in place, every gated MLP of a Hugging Face model by `SwiGLUMLP` / `GeGLUMLP`.
 
     A module is replaced when it has nn.Linear `gate_proj`, `up_proj` and `down_proj` and an
-    `act_fn` that computes SiLU (Llama, Qwen2, Mistral) or GELU, exact or tanh (Gemma). The new
-    module adopts the same nn.Linear objects, so weights, dtype, device and parameter identity
+    `act_fn` that computes SiLU (Llama, Qwen2, Mistral) or GELU, exact or tanh (Gemma), and no
+    `activation_sparsity` (Gemma 3n's sparse layers keep their own forward). The new module
+    adopts the same nn.Linear objects, so weights, dtype, device and parameter identity
     (optimizer state) are kept. Returns the number of modules replaced.
     """
     if not isinstance(model, nn.Module):
@@ -143,6 +144,8 @@ def patch_hf(model: nn.Module) -> int:
             projections = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
             if not all(isinstance(p, nn.Linear) for p in projections) or not hasattr(child, "act_fn"):
                 continue
+            if getattr(child, "activation_sparsity", 0.0):
+                continue  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
             kind = _identify_activation(child.act_fn)
             if kind is not None:
                 targets.append((parent, name, projections, kind))
