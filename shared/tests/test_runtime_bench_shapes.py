@@ -35,6 +35,10 @@ def test_byte_and_flop_models():
     assert bench.bytes_of(a, None, a) == 2 * 10 * 4 * 2
     assert bench.matmul_flops(2, 3, 4) == 48
     assert bench.attention_flops(1, 2, 8, 8, 4, causal=True) == 4 * 2 * 8 * 8 * 4 / 2
+    # bottom-right causal with Tq != Tk: a decode step keeps every key; Tq = 3 of Tk = 5 keeps 3 + 4 + 5
+    assert bench.attention_flops(1, 1, 1, 1024, 4, causal=True) == 4 * 1024 * 4
+    assert bench.attention_flops(1, 1, 3, 5, 4, causal=True) == 4 * (3 + 4 + 5) * 4
+    assert bench.attention_flops(1, 1, 5, 3, 4, causal=True) == 4 * (1 + 2 + 3) * 4
 
 
 def test_add_speedups_and_table():

@@ -187,6 +187,17 @@ def test_patch_hf_replaces_linears(kernel_device, seed):
     assert patch_hf(model, bits=8) == 0  # Linear subclasses are not replaced twice
 
 
+def test_patch_hf_replaces_a_shared_linear_once_under_every_name():
+    """A Linear under two parents, or under two names of one parent (q and k tied), becomes one
+    replacement everywhere: one set of quantized codes, the same result through every name."""
+    lin = nn.Linear(64, 32).to(torch.float16)
+    inner = nn.Module()
+    inner.q = inner.k = lin
+    model = nn.ModuleList([nn.Sequential(lin), inner])
+    assert patch_hf(model, bits=8, group_size=32) == 1
+    assert isinstance(inner.q, QuantizedLinear) and inner.q is inner.k is model[0][0]
+
+
 # --- gpu tier ----------------------------------------------------------------------------------
 
 

@@ -112,6 +112,13 @@ def test_patch_hf_replaces_gated_mlps_by_their_activation_and_keeps_weights(seed
     assert mlp.patch_hf(model) == 0  # idempotent
 
 
+def test_patch_hf_replaces_a_shared_mlp_once():
+    shared = _ToyHFMLP(nn.SiLU())
+    model = nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared)])
+    assert mlp.patch_hf(model) == 1
+    assert isinstance(model[0][0], mlp.SwiGLUMLP) and model[0][0] is model[1][0]
+
+
 def test_patch_hf_leaves_sparse_activation_mlps_alone():
     """Gemma 3n's MLP layers with activation_sparsity > 0 take a top-k of the gate first: not a
     plain gated MLP, left alone (the dense layers, sparsity 0, are swapped)."""

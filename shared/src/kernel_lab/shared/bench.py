@@ -59,12 +59,16 @@ def attention_flops(
     batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, *, causal: bool = False,
     backward: bool = False,
 ) -> float:
-    """FLOPs of attention: QK^T and PV (4*B*H*Tq*Tk*D), halved under causal masking (Tq == Tk
-    counting convention of FlashAttention); the backward does 2.5x the forward's matmuls."""
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    """FLOPs of attention: QK^T and PV (4*B*H*Tq*Tk*D); the backward does 2.5x the forward's
+    matmuls. Causal: halved when Tq == Tk (FlashAttention's counting convention); otherwise the
+    (query, key) pairs a bottom-right-aligned mask keeps (a decode step, Tq = 1, keeps all Tk)."""
+    pairs = float(seqlen_q * seqlen_k)
     if causal:
-        flops /= 2
-    return flops * (2.5 if backward else 1.0)
+        if seqlen_q == seqlen_k:
+            pairs /= 2
+        else:  # query i sees keys j <= i + Tk - Tq
+            pairs = float(sum(min(max(seqlen_k - seqlen_q + i + 1, 0), seqlen_k) for i in range(seqlen_q)))
+    return 4.0 * batch * heads * pairs * head_dim * (2.5 if backward else 1.0)
 
 
 def run_cuda(benchmark, fn, *, min_round_seconds: float = 20e-3, rounds: int = 30, warmup_rounds: int = 3):

@@ -102,10 +102,14 @@ def patch_hf(
 ) -> int:
     """Replace the float16 / bfloat16 nn.Linear layers of a (Hugging Face) model in place: with
     `Linear` (bits=None) or with `QuantizedLinear` (bits=8 or 4, weight-only). Layers whose
-    qualified name contains one of `skip` are left alone. Returns how many were replaced."""
-    replaced = 0
+    qualified name contains one of `skip` are left alone. A layer reachable under several names
+    (shared or tied) gets one replacement, under every name. Returns how many were replaced."""
+    replaced: dict[int, nn.Module] = {}
     for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # every name, a module under two included
+            if id(child) in replaced:
+                setattr(parent, name, replaced[id(child)])
+                continue
             full = f"{parent_name}.{name}" if parent_name else name
             if type(child) is not nn.Linear or any(s in full for s in skip):
                 continue
@@ -116,6 +120,6 @@ def patch_hf(
             else:
                 gs = group_size if group_size is not None and child.in_features % group_size == 0 else None
                 new = QuantizedLinear.from_linear(child, bits, gs)
+            replaced[id(child)] = new
             setattr(parent, name, new)
-            replaced += 1
-    return replaced
+    return len(replaced)

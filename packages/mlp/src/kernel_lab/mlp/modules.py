@@ -138,7 +138,7 @@ def patch_hf(model: nn.Module) -> int:
         raise TypeError(f"patch_hf: model must be an nn.Module, got {type(model).__name__}")
     targets = []
     for parent in model.modules():
-        for name, child in parent.named_children():
+        for name, child in parent._modules.items():  # every name, a module under two included
             if isinstance(child, GatedMLP):
                 continue
             projections = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
@@ -148,12 +148,16 @@ def patch_hf(model: nn.Module) -> int:
                 continue  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
             kind = _identify_activation(child.act_fn)
             if kind is not None:
-                targets.append((parent, name, projections, kind))
-    for parent, name, (gate, up, down), (activation, approximate) in targets:
-        if activation == "silu":
-            new = SwiGLUMLP.from_projections(gate, up, down)
-        else:
-            new = GeGLUMLP.from_projections(gate, up, down, approximate=approximate)
-        new.train(parent.training)
+                targets.append((parent, name, child, projections, kind))
+    replaced: dict[int, nn.Module] = {}  # a module shared by several parents: one replacement
+    for parent, name, child, (gate, up, down), (activation, approximate) in targets:
+        new = replaced.get(id(child))
+        if new is None:
+            if activation == "silu":
+                new = SwiGLUMLP.from_projections(gate, up, down)
+            else:
+                new = GeGLUMLP.from_projections(gate, up, down, approximate=approximate)
+            new.train(parent.training)
+            replaced[id(child)] = new
         setattr(parent, name, new)
-    return len(targets)
+    return len(replaced)
