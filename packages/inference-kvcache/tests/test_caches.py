@@ -96,6 +96,18 @@ def test_fp8_scales_come_from_the_written_tokens_only(kernel_device, seed):
     torch.testing.assert_close(restored, k[1].cpu(), rtol=2**-4, atol=written.max().item() * 2**-9)
 
 
+def test_decode_reads_the_caches_own_index_tensors_not_copies():
+    """The decode side of a cache layer is built once and reused (`_decode_cache`): it must hold
+    the cache's own lengths and block table (no contiguous / int32 copy), or later appends and
+    allocations would be invisible to it."""
+    for cache in (KVCache(2, 3, 8, 1, 8, dtype=torch.float32),
+                  PagedKVCache(6, 2, 2, 1, 8, dtype=torch.float32, max_seqs=3)):
+        decode_side = cache._decode_cache(1)
+        assert decode_side.lengths.data_ptr() == cache._lengths[1].data_ptr()
+        if isinstance(cache, PagedKVCache):
+            assert decode_side.block_table is cache.block_table
+
+
 def test_kvcache_overflow_raises_and_writes_nothing():
     cache = KVCache(2, 2, 4, 1, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="over max_seq_len 4"):
