@@ -452,6 +452,7 @@ def test_int64_token_offsets_give_the_same_results(layout, kernel_device, seed, 
         (True, True)]
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+    check_attention(q, k, v, do, causal=True, layout=layout)  # the int64 path against the reference
 
 
 @pytest.mark.interpret
@@ -466,6 +467,8 @@ def test_varlen_strided_cu_seqlens_give_the_contiguous_result(kernel_device, see
                for i in range(3))
     out = flash_attention_varlen(q, k, v, strided, strided, 7, 7, backend="triton")
     assert torch.equal(out, flash_attention_varlen(q, k, v, cu, cu, 7, 7, backend="triton"))
+    base = reference.attention_varlen(q, k, v, cu, cu, compute_dtype=torch.float16)
+    testing.assert_close_to_reference(out, reference.attention_varlen(q, k, v, cu, cu), base, factor=FWD_FACTOR)
 
 
 @pytest.mark.interpret

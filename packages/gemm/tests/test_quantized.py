@@ -277,6 +277,7 @@ def test_quantized_weight_from_strided_tensors_gives_the_contiguous_result(kerne
                               qw.shape, qw.dtype)
     x = testing.randn(m, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
     assert torch.equal(quantized_matmul(x, strided), quantized_matmul(x, qw))
+    check_quantized(x, strided)  # and against the dequantized reference
 
 
 def test_column_major_x_past_int32_k_offsets_is_read_as_rows():

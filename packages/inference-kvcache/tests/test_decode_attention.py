@@ -224,7 +224,7 @@ def test_flash_decode_index_values_are_checked(args, match):
 
 
 @pytest.mark.interpret
-def test_block_table_entries_past_the_cached_tokens_are_not_read(kernel_device, seed):
+def test_block_table_entries_past_the_cached_tokens_are_not_read(kvh, kernel_device, seed):
     """Only the entries covering a row's tokens are checked and read: the rest may hold
     anything (-1 here, as padding), and the result equals the decode over a clean table."""
     k = randn(5, 4, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
@@ -235,10 +235,12 @@ def test_block_table_entries_past_the_cached_tokens_are_not_read(kernel_device, 
     clean = torch.tensor([[4, 0, 0], [0, 2, 0]], dtype=torch.int32, device=kernel_device)
     out = flash_decode(q, k, v, lengths, block_table=padded, num_splits=2)
     torch.testing.assert_close(out, flash_decode(q, k, v, lengths, block_table=clean, num_splits=2), rtol=0, atol=0)
+    gather = lambda pool: reference.paged_gather(pool, clean, lengths, compute_dtype=pool.dtype)
+    kvh.check_decode_dense(out, q, gather(k), gather(v), lengths)
 
 
 @pytest.mark.interpret
-def test_strided_int32_index_tensors_are_read_by_value(kernel_device, seed):
+def test_strided_int32_index_tensors_are_read_by_value(kvh, kernel_device, seed):
     """lengths, seq_ids and counts as strided int32 views and a column-major block table give the
     results of their contiguous copies (the kernels index them at unit stride)."""
     def strided(t):  # the same values at twice the stride (a column of a wider table)
@@ -254,6 +256,9 @@ def test_strided_int32_index_tensors_are_read_by_value(kernel_device, seed):
     want = flash_decode(q, k, v, lengths, block_table=table, seq_ids=seq_ids, num_splits=2)
     got = flash_decode(q, k, v, strided(lengths), block_table=column_major, seq_ids=strided(seq_ids), num_splits=2)
     assert torch.equal(got, want)
+    rows = seq_ids.long()
+    gather = lambda pool: reference.paged_gather(pool, table[rows], lengths[rows], compute_dtype=pool.dtype)
+    kvh.check_decode_dense(got, q, gather(k), gather(v), lengths[rows])
 
     caches = [torch.zeros(3, 6, 2, 16, dtype=torch.float16, device=kernel_device) for _ in range(4)]
     new = randn(2, 3, 2, 16, dtype=torch.float16, seed=seed + 3, device=kernel_device)
