@@ -308,6 +308,36 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
     testing.assert_close_to_reference(softmax(x), reference.softmax(x), torch.softmax(x, -1), factor=FWD_FACTOR)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("n_cols, dtype", [(20001, torch.bfloat16), (32768, torch.float16)])
+def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
+    """Many rows of at most ops.L2_LOOP_ROW_BYTES: one program a row reads it twice, the second
+    time from L2 (odd length: a masked tail in its last step); fewer rows stay cooperative."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
+
+    def plan(rows):
+        return ops._plan(rows, n_cols, ops.FWD_MAX_FUSED_COLS, torch.device("cuda"), ops.LOOP_BLOCK_N,
+                         ops.COOP_CHUNK, ops.COOP_NUM_WARPS, dtype.itemsize)
+
+    assert plan(n_rows).kind == "looped" and plan(n_rows).keep_in_l2
+    assert plan(n_rows - 1).kind == "coop"
+    x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
+    x[0] = float("-inf")  # fully masked row
+    x[1, ::5] = float("-inf")
+    base = torch.full((n_rows, n_cols + 16), float("nan"), dtype=dtype, device="cuda")
+    base[:, :n_cols] = x
+    strided = base[:, :n_cols]  # NaN padding: a read past the row would show
+    ours, torch_op, ref_fwd, _ = OPS[op_name]
+    ref = ref_fwd(x)
+    baseline = torch_op(x, -1)
+    baseline[0] = ref[0].to(dtype)  # torch gives NaN on the fully masked row (see the README)
+    for inp in (x, strided):
+        y = ours(inp, backend="triton")
+        testing.assert_close_to_reference(y, ref, baseline, factor=FWD_FACTOR, name=f"{op_name} L2 looped forward")
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
 def test_double_backward_raises_instead_of_dropping_second_order_terms(op_name, kernel_device, seed):

@@ -14,6 +14,9 @@ Four shapes of work, forward and backward alike:
   takes the next two paths instead.
 - `*_looped_kernel`: a row too long for the cooperative kernel, many rows. One program per row
   loops over it twice (statistics, then output): the row is read twice, 1.5x the minimum traffic.
+  The forward also takes it for rows short enough to stay in L2 between its passes when there
+  are many of them (CUDA): the first pass keeps the lines there, so HBM sees one read and one
+  write, without the cooperative kernel's synchronisation.
 - `*_partial_kernel` + `*_split_kernel`: the same with too few rows to fill the GPU. Each row is
   cut into `n_splits` chunks: the first launch writes each chunk's statistics, the second merges
   a row's statistics and writes its chunk's output.
@@ -149,12 +152,14 @@ def _softmax_fwd_looped_kernel(
     x_ptr, y_ptr, n_cols,
     stride_x_row, stride_y_row,
     LOG: tl.constexpr,
+    KEEP_IN_L2: tl.constexpr,  # rows short enough for L2 (ops.L2_LOOP_ROW_BYTES): the second pass reads it
     BLOCK_N: tl.constexpr,  # columns per loop step
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
-    m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N)
-    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N)
+    m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "")
+    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N,
+                      EVICTION="evict_first" if KEEP_IN_L2 else "")
 
 
 @triton.jit

@@ -91,6 +91,25 @@ BWD_COOP_NUM_WARPS = 8
 # (softmax's own backward was 1-2% slower so).
 LOG_BWD_COOP_CHUNK = 4096
 LOG_BWD_COOP_NUM_WARPS = 4
+# Forward rows of at most L2_LOOP_ROW_BYTES (32768 bf16 columns), with at least
+# L2_LOOP_MIN_ROWS_PER_SM rows an SM: the looped kernel, one program a row, its first pass
+# keeping the row's lines in L2 (evict_last) and its second reading them from there
+# (evict_first): one read of HBM and one write, with no synchronisation between programs. A
+# program's row stays in L2 from its first pass to its second: at three 256-thread programs an SM
+# (80 registers a thread, offline sm_90 compile) at most 132 x 3 x 64 KB = 26 MB of the 50 MB L2
+# of an H100 / H200. Longer rows spill from it (H100, 1024 x 131072 bf16: the looped kernel ran
+# at 70-75% of copy bandwidth, the cooperative one at 94%). Many rows, so that the last, partly
+# filled wave of programs is a small part of the launch. H100 sweep (bf16 unless said, 2**27
+# elements, both kernels alternated in one process, CUDA-graph replays, scratch; % of copy
+# bandwidth, cooperative against looped with 16384-column steps over 8 warps): 4096 x 32768 95
+# against 101, log-softmax 96 against 101, fp16 96 against 101; 5461 x 24576 97 against 99. At
+# 49152 and 65536 columns (96 and 128 KB rows) the looped kernel needed 16 warps to draw level
+# and lost with 8: they stay cooperative. Not yet measured on an H200, where the cooperative
+# kernel ran at 85-86% at 4096 x 32768 (history 0074).
+L2_LOOP_ROW_BYTES = 65536
+L2_LOOP_MIN_ROWS_PER_SM = 16
+L2_LOOP_BLOCK_N = 16384
+L2_LOOP_NUM_WARPS = 8
 # Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
 # for 32k- to 128k-column bf16 rows on an H200 (the backward loads two rows per step: half).
 LOOP_BLOCK_N = 16384
@@ -114,6 +133,7 @@ class _Plan:
     num_warps: int = 8
     n_splits: int = 1
     chunk: int = 0
+    keep_in_l2: bool = False  # looped forward: the first pass keeps the row in L2 for the second
 
 
 # Plans by their arguments: building one costs a few microseconds of host arithmetic and device
@@ -126,9 +146,11 @@ _PLANS_MAX = 4096
 
 def _plan(
     n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int,
+    coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int = 0,
 ) -> _Plan:
-    key = (n_rows, n_cols, max_fused_cols, device, loop_block_n, coop_chunk, coop_num_warps)
+    """l2_loop_elem_size: the element size of a forward's input (rows that fit L2_LOOP_ROW_BYTES
+    may take the looped kernel with its L2 hints), 0 for the backward (never)."""
+    key = (n_rows, n_cols, max_fused_cols, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop_elem_size)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
         return _make_plan(*key)
     plan = _PLANS.get(key)
@@ -141,13 +163,16 @@ def _plan(
 
 def _make_plan(
     n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int,
+    coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
         block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, ROWS_TILE)
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
+    if (on_gpu and n_cols * l2_loop_elem_size <= L2_LOOP_ROW_BYTES
+            and n_rows >= L2_LOOP_MIN_ROWS_PER_SM * sm_count):
+        return _Plan("looped", block_n=L2_LOOP_BLOCK_N, num_warps=L2_LOOP_NUM_WARPS, keep_in_l2=True)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= coop.max_chunks(device):  # more could wait forever (kernel_lab.shared.coop)
         return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
@@ -195,7 +220,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK, COOP_NUM_WARPS)
+    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK, COOP_NUM_WARPS,
+                 x.element_size())
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
@@ -211,7 +237,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     elif plan.kind == "looped":
         runtime.launchable(_softmax_fwd_looped_kernel, traceable)[(n_rows,)](
             x2, y2, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
         )
     else:
         part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
