@@ -183,7 +183,7 @@ FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)
     "_rms_norm_linear_kernel": (
         dict(x_ptr="*bf16", g_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", ssq_ptr="*fp32", bias_ptr="*bf16"),
         ("eps",),
-        dict(HAS_BIAS=False, WRITE_PARTIAL=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
+        dict(HAS_BIAS=False, WRITE_PARTIAL=False, SSQ_BY_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
     ),
     "_gemv_kernel": (
         dict(x_ptr="*bf16", w_ptr="*bf16", scales_ptr="*bf16", zeros_ptr="*u8", g_ptr="*bf16", c_ptr="*bf16",

@@ -51,8 +51,10 @@ def test_rms_norm_linear_reference_backend(seed):
 
 @pytest.mark.interpret
 # (1, 30): the one-row GEMV; (2, 30): one 32-column tile, which the interpreter's decode plan
-# splits over K (two splits); (5, 50): two tiles, one split; (70, 50): the prefill path
-@pytest.mark.parametrize("m,n", [(1, 30), (2, 30), (5, 50), (70, 50)])
+# splits over K (two splits, the x^2 program and the reduce); (5, 50): two tiles, no split (x^2
+# summed on the tensor cores, SSQ_BY_DOT); (17, 50): the split path past that kernel's M range;
+# (70, 50): the prefill path
+@pytest.mark.parametrize("m,n", [(1, 30), (2, 30), (5, 50), (17, 50), (70, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, n, with_bias):
     x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)

@@ -578,6 +578,7 @@ def _rms_norm_linear_kernel(
     stride_cs, stride_ssq, K_PER_SPLIT, eps,
     HAS_BIAS: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
+    SSQ_BY_DOT: tl.constexpr,  # decode without split-K: x^2 sums from the tensor cores (see below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = rms_norm(x, g) @ b + bias, b = weight^T (K, N), in one pass over K.
@@ -591,6 +592,15 @@ def _rms_norm_linear_kernel(
       more program per split, the last of axis 0, which only sums x^2 over the split's K range;
       the reduce kernel forms rstd. Summing x^2 inside every weight-streaming program's loop
       made the loop 1.7x slower on an H200 (M = 16, N = 6144: 26-28 us against 16 without it).
+    - SSQ_BY_DOT (decode, M <= 16, no split: ops.RMS_NORM_LINEAR_DOT_SSQ_MAX_M) each program
+      sums x^2 on the tensor cores: a second product x @ x^T per K step, whose diagonal is
+      the rows' x^2 sums (the products of 16-bit values are exact, the sums float32). x stays
+      in the shared-memory tile the pipeline loaded it into, where squaring it on the CUDA
+      cores takes it to registers in another layout every step. H100 sweep at M = 16, N = 6144,
+      K = 4096, bf16 (CUDA-graph replays over rotated weights, scratch): 22.5 us against 33-53
+      for the CUDA-core sums and 21.7 for the loop without any x^2 (the split path: 24.3; the
+      unfused pair 30.1). At M = 64 the second product cost more than the split path saves
+      (28.2 against 26.7 us).
     """
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps = tl.cast(eps, tl.float32)
@@ -605,16 +615,22 @@ def _rms_norm_linear_kernel(
         b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)  # SSQ_BY_DOT: x @ x^T
         for k in range(0, k_len, BLOCK_K):
             k_mask = offs_k < k_len - k  # a scalar bound: see _split_k_tile
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             g = tl.load(g_ptr + k_start + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-            if not WRITE_PARTIAL:
-                ssq += tl.sum(x * x, axis=1)
-            acc = tl.dot((x * g[None, :]).to(b.dtype), b, acc)
+            if SSQ_BY_DOT:
+                gram = tl.dot(x, tl.trans(x), gram)
+            elif not WRITE_PARTIAL:
+                ssq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+            acc = tl.dot((x.to(tl.float32) * g[None, :]).to(b.dtype), b, acc)
             x_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_bk
+        if SSQ_BY_DOT:
+            diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+            ssq = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
         if not WRITE_PARTIAL:
             rstd = 1.0 / tl.sqrt(ssq / K + eps)
             _epilogue_store(
@@ -758,6 +774,7 @@ INT4_GEMV_CONFIGS = [
 _int4_gemv_kernel_tuned = _autotuned(_int4_gemv_kernel, INT4_GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "GROUP_SIZE"])
 _matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
 _rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
+_rms_norm_linear_kernel_decode = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)  # SSQ_BY_DOT
 _rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])
 
 

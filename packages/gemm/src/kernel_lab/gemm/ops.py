@@ -49,6 +49,7 @@ from ._kernels import (
     _matmul_tma_persistent_kernel,
     _quantized_matmul_kernel,
     _rms_norm_linear_kernel,
+    _rms_norm_linear_kernel_decode,
     _rms_norm_linear_kernel_prefill,
     _rms_norm_linear_kernel_skinny,
     _splitk_reduce_kernel,
@@ -77,6 +78,10 @@ SPLIT_PROGRAMS_PER_SM = 0.5
 # N 6144: 31.4 us on the plan above against 22.1 with 128 columns and split 2).
 RMS_NORM_LINEAR_WIDE_BLOCK_N = 128
 RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
+# rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
+# whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
+# x^2 program and no reduce kernel.
+RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
 # The weight-only (dequantizing) decode kernel's tiles (BLOCK_N, warps, stages) and K split. Its
 # K loop is bound by latency (codes unpacked in registers, then a wgmma that waits on them), not
 # by bytes or issue, so it wants programs in flight: int8 keeps 64-column tiles over 4 warps and
@@ -473,8 +478,20 @@ def rms_norm_linear_fwd(
     if m == 1 and weight.stride(1) == 1:
         _gemv(x, weight, c, norm_weight=g, eps=eps, bias=bias, interpret=interpret, traced=traced)
         return c
+    extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
+    k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
+    if m <= RMS_NORM_LINEAR_DOT_SSQ_MAX_M:
+        plan = _skinny_plan(m, n, k, x.device, k_align)
+        if plan.split_k == 1:
+            kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_decode
+            runtime.launchable(kernel, traced)[plan.grid(m, n)](
+                x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
+                x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
+                HAS_BIAS=bias is not None, WRITE_PARTIAL=False, SSQ_BY_DOT=True, BLOCK_M=plan.block_m,
+                BLOCK_N=plan.block_n, **extra,
+            )
+            return c
     if m <= SKINNY_MAX_M:
-        k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
         wide = dict(block_n=RMS_NORM_LINEAR_WIDE_BLOCK_N, programs_per_sm=RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM)
         plan = _skinny_plan(m, n, k, x.device, k_align, **(wide if m > 16 else {}))
         split = plan.split_k
@@ -483,13 +500,13 @@ def rms_norm_linear_fwd(
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         ssq = torch.empty((split, m), dtype=torch.float32, device=x.device)
         kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_skinny
-        extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
         tiles, _ = plan.grid(m, n)
         runtime.launchable(kernel, traced)[(tiles + 1, split)](
             x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
             x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             ws.stride(0), ssq.stride(0), plan.k_per_split, eps,
-            HAS_BIAS=bias is not None, WRITE_PARTIAL=True, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra,
+            HAS_BIAS=bias is not None, WRITE_PARTIAL=True, SSQ_BY_DOT=False, BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n, **extra,
         )
         _reduce(ws, c, bias=bias, ssq=ssq, k=k, eps=eps, traced=traced)
         return c
@@ -499,7 +516,7 @@ def rms_norm_linear_fwd(
     )
     _launch_prefill(
         _rms_norm_linear_kernel, _rms_norm_linear_kernel_prefill, args, m, n, interpret, traced,
-        HAS_BIAS=bias is not None, WRITE_PARTIAL=False,
+        HAS_BIAS=bias is not None, WRITE_PARTIAL=False, SSQ_BY_DOT=False,
     )
     return c
 
