@@ -278,6 +278,30 @@ def table(groups: list[GroupResult]) -> list[str]:
     return [*TABLE_HEAD, *(group_line(g) for g in groups)]
 
 
+VARIANTS_HEAD = [
+    "| case | kernel_lab variant | ms | x baseline | % of measured peak |",
+    "|---|---|---:|---:|---:|",
+]
+
+
+def variants_table(groups: list[GroupResult]) -> list[str]:
+    """Every kernel_lab row of the groups that hold more than one (e.g. bf16 / paged / fp8 caches,
+    bf16 / int8 / int4 weights): the main table shows only the fastest, which can hide how the
+    others compare with the baseline."""
+    lines = []
+    for g in groups:
+        ours = [r for r in g.rows if r["extra_info"].get("role") == "kernel_lab"]
+        if len(ours) < 2:
+            continue
+        base = g.ms_per_call(g.baseline) if g.baseline else None
+        for r in sorted(ours, key=lambda r: str(r["extra_info"].get("impl", r["name"]))):
+            ms, pct = g.ms_per_call(r), g.pct_peak(r)
+            peak = "-" if pct is None else f"{pct:.0f}% {'BW' if g.bound == 'memory' else 'MM'} ({g.rate(r)})"
+            lines.append(f"| {g.group} | {r['extra_info'].get('impl', r['name'])} | {_ms(ms)} | "
+                         f"{_fmt(base / ms if base else None, '.2f')} | {peak} |")
+    return [*VARIANTS_HEAD, *lines] if lines else []
+
+
 def summary_line(res: PackageResult) -> str:
     w = res.worst
     worst = f"worst: {w.group} at {w.x_peer:.2f}x the best peer ({w.peer_impl})" if w else "no peer rows"
@@ -304,7 +328,11 @@ def package_section(res: PackageResult, level: str = "####", img_prefix: str | N
                 lines.append(f"![{res.package}: {alt}]({img_prefix}{img.name})")
         if lines[-1] != "":
             lines.append("")
-    return [*lines, *table(res.groups), ""]
+    lines += [*table(res.groups), ""]
+    variants = variants_table(res.groups) if img_prefix is not None else []  # the results pages only
+    if variants:
+        lines += ["Every kernel_lab variant of the cases above that have several:", "", *variants, ""]
+    return lines
 
 
 LEGEND = (
