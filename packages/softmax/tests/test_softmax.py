@@ -336,6 +336,10 @@ def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dt
     for inp in (x, strided):
         y = ours(inp, backend="triton")
         testing.assert_close_to_reference(y, ref, baseline, factor=FWD_FACTOR, name=f"{op_name} L2 looped forward")
+    # the custom op that torch.compile calls plans the same launch
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: ours(t, -1), fullgraph=True)
+    torch.testing.assert_close(compiled(x), ours(x, -1), rtol=0, atol=0)
 
 
 @pytest.mark.interpret
