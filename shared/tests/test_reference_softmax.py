@@ -24,6 +24,14 @@ def test_softmax_reference_fully_masked_row_is_zero_and_log_is_neg_inf():
     assert torch.isneginf(reference.log_softmax(x)[0]).all()
 
 
+def test_softmax_reference_nan_or_inf_entry_makes_the_row_nan_as_in_torch():
+    """Only a row with no finite entry (sum 0) is special-cased: a NaN sum must stay NaN."""
+    x = torch.tensor([[1.0, float("nan"), 2.0], [1.0, float("inf"), 2.0], [1.0, 2.0, 3.0]])
+    y = reference.softmax(x)
+    assert torch.isnan(y[:2]).all() and torch.isnan(torch.softmax(x, -1)[:2]).all()
+    torch.testing.assert_close(y[2], torch.softmax(x[2].double(), -1))
+
+
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_backward_reference_matches_autograd(seed, log):
     x = randn(4, 19, dtype=torch.float64, seed=seed, requires_grad=True)

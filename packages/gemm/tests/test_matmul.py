@@ -176,6 +176,17 @@ def test_matmul_bias_activation_epilogue_matches_reference(kernel_device, seed, 
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("m", [1, 3, 70])  # the GEMV, decode, prefill
+def test_matmul_strided_bias_is_read_at_its_stride(kernel_device, seed, m):
+    """A bias view with a step (every other element of a buffer): the epilogues index bias[n] at
+    unit stride, so the launcher copies it; read in place it added the buffer's first N values."""
+    a, b = make_operands(m, 36, 40, torch.float16, kernel_device, seed, "row", "col")
+    bias = testing.randn(72, dtype=torch.float16, device=kernel_device, seed=seed + 2)[::2]
+    assert bias.stride(0) == 2
+    check(matmul(a, b, bias=bias), a, b, bias)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_matmul_one_row_gemv_strided_row_and_tails(kernel_device, seed, dtype):
     """The one-row GEMV (b = w.t() of an nn.Linear weight; no tensor cores, so bfloat16 runs

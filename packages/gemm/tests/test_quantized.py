@@ -124,6 +124,18 @@ def check_quantized(x, qw, bias=None):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_quantized_matmul_strided_bias(kernel_device, seed, bits, m):
+    """A bias view with a step is read at its stride (the launcher copies it to unit stride)."""
+    x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed)
+    qw = quantize_weight(testing.randn(40, 96, seed=seed + 1, scale=0.1), bits, None if bits == 8 else 32)
+    qw = QuantizedWeight(qw.qdata.to(kernel_device), qw.scales.to(kernel_device), None, qw.bits, qw.group_size,
+                         qw.shape, qw.dtype)
+    check_quantized(x, qw, testing.randn(80, dtype=torch.float16, device=kernel_device, seed=seed + 2)[::2])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group_size", [32, None])
 @pytest.mark.parametrize("m", [1, 3, 70])  # one row (the GEMVs: int8 per channel, int4 group 32), decode, prefill

@@ -34,8 +34,9 @@ def test_rms_norm_linear_validation():
         rms_norm_linear(x, g, torch.zeros(4, 9, dtype=torch.float16))
     with pytest.raises(TypeError, match=r"weight\.dtype must equal"):
         rms_norm_linear(x, g, w.bfloat16())
-    with pytest.raises(ValueError, match="eps"):
-        rms_norm_linear(x, g, w, eps=0.0)
+    for eps in (0.0, 1e-50, True):  # 1e-50 is 0 as float32 (the kernels' eps); a bool is not an eps
+        with pytest.raises(ValueError, match="eps"):
+            rms_norm_linear(x, g, w, eps=eps)
     with pytest.raises(TypeError, match=r"x\.dtype"):
         rms_norm_linear(x.float(), g, w)
 
@@ -73,6 +74,16 @@ def test_rms_norm_linear_one_row_gemv(kernel_device, seed, dtype):
     g = testing.randn(100, dtype=dtype, device=kernel_device, seed=seed + 1)
     w = testing.randn(37, 100, dtype=dtype, device=kernel_device, seed=seed + 2, scale=0.1)
     check(x, g, w, 1e-5, testing.randn(37, dtype=dtype, device=kernel_device, seed=seed + 3))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m", [1, 5, 17, 70])  # GEMV, one launch (SSQ_BY_DOT), split-K, prefill
+def test_rms_norm_linear_strided_bias(kernel_device, seed, m):
+    x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
+    g = testing.randn(96, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    w = testing.randn(50, 96, dtype=torch.float16, device=kernel_device, seed=seed + 2, scale=0.1)
+    bias = testing.randn(150, dtype=torch.float16, device=kernel_device, seed=seed + 3)[::3]
+    check(x, g, w, 1e-5, bias)
 
 
 @pytest.mark.interpret

@@ -64,7 +64,8 @@ def test_residual_and_gate_must_match_x():
         rms_norm_gated(x, None, None)
 
 
-@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan"), float("inf")])
+# 1e-50 is 0 as float32 (the kernels' eps): an all-zero row would get rstd = 1 / 0
+@pytest.mark.parametrize("eps", [0.0, -1e-6, 1e-50, float("nan"), float("inf")])
 def test_bad_eps_raises_value_error(eps):
     with pytest.raises(ValueError, match="eps must be"):
         rms_norm(torch.zeros(2, 4), None, eps)

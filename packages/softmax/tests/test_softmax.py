@@ -193,6 +193,7 @@ def test_nan_and_inf_entries_propagate_as_in_torch(op_name, long_rows, small_blo
     y = OPS[op_name][0](x, backend="triton")
     expected = OPS[op_name][1](x, -1)
     assert torch.isnan(y[:3]).all() and torch.isnan(expected[:3]).all()
+    assert torch.isnan(OPS[op_name][0](x.cpu(), backend="reference")[:3]).all()  # the CPU fallback too
     testing.assert_close_to_reference(y[3:], OPS[op_name][2](x[3:]), name=op_name)
 
 

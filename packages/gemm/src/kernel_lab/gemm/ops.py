@@ -57,6 +57,7 @@ from ._kernels import (
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -298,6 +299,7 @@ def matmul_fwd(
     """
     m, k = a.shape
     n = b.shape[1]
+    bias = _unit_stride(bias)
     be = runtime.backend(a)
     if be == "reference" or k == 0:
         if scale_a is not None:
@@ -408,6 +410,7 @@ def quantized_matmul_fwd(
     """Launcher: x (M, K) @ dequant(qweight)^T + bias -> (M, N) of x.dtype (traced: see matmul_fwd)."""
     m, k = x.shape
     n = qdata.shape[0]
+    bias = _unit_stride(bias)
     be = runtime.backend(x)
     if be == "reference" or k == 0:
         y = reference.quantized_matmul(
@@ -465,6 +468,7 @@ def rms_norm_linear_fwd(
     matmul_fwd)."""
     m, k = x.shape
     n = weight.shape[0]
+    bias = _unit_stride(bias)
     be = runtime.backend(x)
     if be == "reference" or k == 0:
         return reference.rms_norm_linear(x, norm_weight, weight, eps, bias, compute_dtype=torch.float32).to(x.dtype)
@@ -652,6 +656,12 @@ def _check_bias(op: str, bias, n: int, dtypes=(*SUPPORTED_DTYPES, torch.float32)
     _check_tensor(bias, "bias", op, dtypes, ndim=(1,))
     if bias.shape[0] != n:
         raise ValueError(f"{op}: bias must have shape ({n},) (the output columns), got {tuple(bias.shape)}")
+
+
+def _unit_stride(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias with unit stride: every epilogue reads bias[n] at bias_ptr + n, so a strided view
+    (e.g. a slice with a step) is copied; a contiguous bias passes through."""
+    return bias if bias is None or bias.stride(0) == 1 or bias.shape[0] <= 1 else bias.contiguous()
 
 
 def _check_out_dtype(op: str, out_dtype) -> None:
@@ -1005,9 +1015,12 @@ def rms_norm_linear(
     x: (..., K) float16 / bfloat16, any strides; norm_weight: (K,) (any float dtype); weight:
     (N, K) of x's dtype (nn.Linear layout, any strides); bias: (N,) or None. Returns (..., N)
     of x.dtype. Differs from the unfused pair in one rounding: the kernel rounds x * norm_weight
-    (not x * rstd * norm_weight) to x.dtype before the tensor-core product. Forward only.
+    (not x * rstd * norm_weight) to x.dtype before the tensor-core product: in float16,
+    |x * norm_weight| above 65504 overflows there (inf/NaN out) where the unfused pair does not.
+    Forward only.
 
-    Raises TypeError for unsupported dtypes, ValueError for shape mismatches or eps <= 0.
+    Raises TypeError for unsupported dtypes, ValueError for shape mismatches or an eps below
+    float32's smallest normal.
     """
     op = "rms_norm_linear"
     _check_tensor(x, "x", op, SUPPORTED_DTYPES)
@@ -1025,8 +1038,11 @@ def rms_norm_linear(
         )
     # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
     # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
-    if not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
-        raise ValueError(f"{op}: eps must be a positive finite float, got {eps!r}")
+    # at least float32's smallest normal: the kernels take eps as float32, where a smaller value
+    # is 0 (or a denormal that may be flushed), and an all-zero row's rstd would be 1 / 0
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and FLOAT32_TINY <= eps < math.inf):
+        raise ValueError(f"{op}: eps must be a finite float >= {FLOAT32_TINY} (float32's smallest normal), "
+                         f"got {eps!r}")
     _check_bias(op, bias, weight.shape[0])
     _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)
     runtime.check_backend(op, backend, x)

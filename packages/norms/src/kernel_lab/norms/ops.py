@@ -35,6 +35,7 @@ from ._kernels import (
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 # Longest row held in registers in one pass. 16384 float32 values over 32 warps is 16 values
 # per thread; longer rows loop over the row twice (second read from L2).
@@ -757,8 +758,11 @@ def _check(
         # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
         if not -math.inf < v < math.inf:
             raise ValueError(f"{name}: {arg} must be finite, got {v}")
-    if eps <= 0:
-        raise ValueError(f"{name}: eps must be > 0 (it keeps 1/sqrt(. + eps) finite), got {eps}")
+    # at least float32's smallest normal: the kernels take eps as float32, where a smaller value
+    # is 0 (or a denormal that may be flushed), and an all-zero row's rstd would be 1 / 0
+    if eps < FLOAT32_TINY:
+        raise ValueError(f"{name}: eps must be >= {FLOAT32_TINY} (float32's smallest normal; it keeps "
+                         f"1/sqrt(. + eps) finite), got {eps}")
     runtime.check_backend(name, backend, x, "x")
     return float(eps), float(offset)
 

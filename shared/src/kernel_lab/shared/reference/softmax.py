@@ -13,14 +13,16 @@ def softmax(x: torch.Tensor, dim: int = -1, *, compute_dtype: torch.dtype = torc
     """y = exp(x - max(x)) / sum(exp(x - max(x))) along `dim`.
 
     A row that is entirely -inf has no finite maximum: its output is 0 (not NaN). This is the
-    documented convention of kernel_lab's softmax kernels (torch.softmax returns NaN there).
+    documented convention of kernel_lab's softmax kernels (torch.softmax returns NaN there). A
+    row holding a NaN or +inf gives NaN everywhere, as torch does: only a zero sum (no finite
+    entry) is special-cased, since `sum > 0` is False for a NaN sum too and would hide it.
     """
     x = x.to(compute_dtype)
     row_max = x.amax(dim=dim, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
     e = torch.exp(x - row_max)
     denom = e.sum(dim=dim, keepdim=True)
-    return torch.where(denom > 0, e / denom, torch.zeros_like(e))
+    return torch.where(denom == 0, torch.zeros_like(e), e / denom)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
