@@ -133,6 +133,28 @@ def _assert_allocator_consistent(cache: PagedKVCache):
         assert cache.block_table[s, : len(blocks)].tolist() == blocks
 
 
+@pytest.mark.parametrize("num_tokens", [2.5, -5, True, "3"])
+def test_paged_allocate_with_a_bad_token_count_raises_and_allocates_nothing(num_tokens):
+    cache = PagedKVCache(8, 4, 1, 1, 8, dtype=torch.float32, max_seqs=4, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0"):
+        cache.allocate(0, num_tokens)
+    assert cache.live_sequences() == [] and cache.num_free_blocks == 8
+    cache.allocate(0, 5)  # the sequence id is still free
+    assert cache.live_sequences() == [0]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_fp8_set_scales_refuses_scales_that_are_not_positive_and_finite(bad):
+    cache = KVCache(1, 2, 6, 2, 16, dtype=torch.float8_e4m3fn)
+    good = torch.ones(2)
+    with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+        cache.set_scales(0, torch.tensor([1.0, bad]), good)
+    with pytest.raises(ValueError, match=r"v_scale must be one value or one per kv head \(2,\)"):
+        cache.set_scales(0, good, torch.ones(3))
+    cache.set_scales(0, 2.0, torch.tensor([0.5, 0.25]))  # one value for every head, or one per head
+    assert cache.k_scale[0].tolist() == [2.0, 2.0] and cache.v_scale[0].tolist() == [0.5, 0.25]
+
+
 def test_paged_allocator_random_allocate_free_never_shares_a_block(seed):
     rng = random.Random(seed)
     cache = PagedKVCache(40, 4, 1, 1, 8, dtype=torch.float32, max_seqs=12, max_blocks_per_seq=16)

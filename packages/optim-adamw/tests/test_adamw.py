@@ -262,6 +262,49 @@ def test_adamw_cleared_state_and_changed_grad_set_follow_torch(kernel_device, se
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("edit", ["step", "moment", "clear", "new_dict"])
+def test_adamw_state_edited_by_the_caller_follows_torch(kernel_device, seed, edit):
+    """A state entry replaced (a step counter, a moment), one param's state cleared or replaced
+    by a new dict, after the launch lists were cached (two steps): the next step uses what the
+    state holds now, as torch.optim.AdamW does (the cached lists held the old tensors)."""
+    ours = _params(SHAPES, torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(5):
+        _set_grads([ours, theirs], seed + step)
+        if step == 3:
+            for o, p in ((opt, ours[1]), (topt, theirs[1])):
+                if edit == "step":
+                    o.state[p]["step"] = torch.tensor(0.0, device=p.device)
+                elif edit == "moment":
+                    o.state[p]["exp_avg"] = torch.full_like(p, 0.5)
+                elif edit == "clear":
+                    o.state[p].clear()
+                else:
+                    o.state[p] = {}
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "param")
+
+
+def test_a_param_resized_after_its_state_was_cleared_gets_fresh_state():
+    """Cleared state, then p.data replaced by a larger tensor: the step must build fresh state of
+    the new size (the cached launch lists held the old 6-element moments: walking 64 elements
+    over them corrupted memory)."""
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = AdamW([p], lr=1e-3)
+    for _ in range(2):
+        p.grad = torch.ones(6)
+        opt.step()
+    opt.state[p].clear()
+    p.data = torch.zeros(64)
+    p.grad = torch.ones(64)
+    opt.step()
+    assert opt.state[p]["exp_avg"].shape == (64,) and float(opt.state[p]["step"]) == 1.0
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
 def test_adamw_state_dict_round_trips_with_torch_adamw(kernel_device, seed, direction):
     """A checkpoint of one optimizer resumes in the other and continues exactly as the first."""

@@ -130,8 +130,19 @@ class _CacheBase:
         if not self.is_fp8:
             raise ValueError(f"set_scales applies to float8_e4m3fn caches, this one is {self.dtype}")
         self._check_layer(layer)
-        self.k_scale[layer].copy_(k_scale)
-        self.v_scale[layer].copy_(v_scale)
+        scales = []
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            s = torch.as_tensor(s, dtype=torch.float32, device=self.device)
+            if s.numel() not in (1, self.num_kv_heads) or s.dim() > 1:
+                raise ValueError(f"{name} must be one value or one per kv head ({self.num_kv_heads},), got shape "
+                                 f"{tuple(s.shape)}")
+            # (a setup call: reading the values back is fine) a 0 scale stores 448 and reads back 0,
+            # a negative one flips the sign, a NaN poisons every token of the head
+            if not bool(((s > 0) & torch.isfinite(s)).all()):
+                raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
+            scales.append(s)
+        self.k_scale[layer].copy_(scales[0])
+        self.v_scale[layer].copy_(scales[1])
         self._scales_fixed[layer] = True
 
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts_list: list[int],
@@ -415,10 +426,12 @@ class PagedKVCache(_CacheBase):
 
     def allocate(self, seq_id: int, num_tokens: int = 0) -> None:
         """Start sequence `seq_id` (an int in [0, max_seqs)) with room for `num_tokens` tokens."""
-        if not isinstance(seq_id, int) or not 0 <= seq_id < self.max_seqs:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or not 0 <= seq_id < self.max_seqs:
             raise ValueError(f"seq_id must be an int in [0, {self.max_seqs}), got {seq_id!r}")
         if seq_id in self._owned:
             raise ValueError(f"sequence {seq_id} is already allocated")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self._owned[seq_id] = []
         self._epoch += 1
         for host in self._host_lengths:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from itertools import chain
 
@@ -213,9 +214,12 @@ class AdamW(torch.optim.Optimizer):
     def _plan(self, gi: int, group: dict, params: list[torch.Tensor]) -> dict:
         """Per device: positions in `params` and the state lists of one launch call.
 
-        Cached while the same parameters have gradients and nothing replaced the state (a
-        step() then does no per-parameter state lookups: the host cost of a step is what
-        keeps a small model's GPU waiting).
+        Cached while the same parameters have gradients and their state holds the same tensors
+        (a step() then does one identity check per state entry instead of building the lists:
+        the host cost of a step is what keeps a small model's GPU waiting). A state entry
+        replaced, removed or cleared by the caller (`opt.state[p]["step"] = ...`,
+        `opt.state[p].clear()`, `opt.state[p] = {}`) rebuilds the plan: a plan holding the old
+        tensors would update those instead, and walk a resized param's elements over them.
         """
         key = (
             tuple(map(id, params)), group["amsgrad"], group["master_weights"], group["state_dtype"],
@@ -223,7 +227,7 @@ class AdamW(torch.optim.Optimizer):
             id(self.state), len(self.state),  # state replaced or cleared by the caller
         )
         cached = self._plans.get(gi)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and self._holds_same_state(params, cached[2]):
             return cached[1]
         plan: dict[torch.device, tuple[list[int], dict]] = {}
         for i, p in enumerate(params):
@@ -242,8 +246,20 @@ class AdamW(torch.optim.Optimizer):
                 t["max_exp_avg_sqs"] = None
             if all(m is None for m in t["masters"]):
                 t["masters"] = None
-        self._plans[gi] = (key, plan)
+        self._plans[gi] = (key, plan, self._state_objects(params))
         return plan
+
+    def _state_objects(self, params: list[torch.Tensor]) -> list:
+        """Each param's state dict, then every value in them: what a plan was built from."""
+        dicts = list(map(self.state.get, params))
+        return dicts + list(chain.from_iterable(map(dict.values, dicts)))
+
+    def _holds_same_state(self, params: list[torch.Tensor], held: list) -> bool:
+        try:
+            now = self._state_objects(params)
+        except TypeError:  # a param's state was deleted (dict.values of None)
+            return False
+        return len(now) == len(held) and all(map(operator.is_, now, held))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this class or of torch.optim.AdamW (any of its variants).
