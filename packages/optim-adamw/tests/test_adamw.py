@@ -288,6 +288,31 @@ def test_adamw_state_edited_by_the_caller_follows_torch(kernel_device, seed, edi
     _assert_matches_torch(ours, theirs, opt, topt, "param")
 
 
+def test_state_pickles_and_copies_as_torch_optimizers_do():
+    """The state's edit tracking stays inside the optimizer: state_dict() pickles as plain dicts
+    (no reference to the optimizer), a deep copy or an unpickled optimizer steps on its own
+    state, and a state replaced wholesale is tracked again."""
+    import pickle
+
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = AdamW([p], lr=1e-2)
+    for _ in range(2):
+        p.grad = torch.full((5,), 0.5)
+        opt.step()
+    saved = pickle.loads(pickle.dumps(opt.state_dict()))
+    assert type(saved["state"][0]) is dict and float(saved["state"][0]["step"]) == 2.0
+    twin = copy.deepcopy(opt)
+    twin_p = twin.param_groups[0]["params"][0]
+    twin_p.grad = torch.full((5,), 0.5)
+    twin.state[twin_p]["step"] = torch.tensor(0.0)  # an edit of the copy's state is seen
+    twin.step()
+    assert float(twin.state[twin_p]["step"]) == 1.0 and float(opt.state[p]["step"]) == 2.0
+    opt.state = {p: {}}  # replaced wholesale: fresh state at the next step, as torch would build
+    p.grad = torch.full((5,), 0.5)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 1.0
+
+
 def test_a_param_resized_after_its_state_was_cleared_gets_fresh_state():
     """Cleared state, then p.data replaced by a larger tensor: the step must build fresh state of
     the new size (the cached launch lists held the old 6-element moments: walking 64 elements
