@@ -34,7 +34,7 @@ def test_rms_norm_linear_validation():
         rms_norm_linear(x, g, torch.zeros(4, 9, dtype=torch.float16))
     with pytest.raises(TypeError, match=r"weight\.dtype must equal"):
         rms_norm_linear(x, g, w.bfloat16())
-    for eps in (0.0, 1e-50, True):  # 1e-50 is 0 as float32 (the kernels' eps); a bool is not an eps
+    for eps in (0.0, 1e-50, 1e300, True):  # 0 / inf as float32 (the kernels' eps); a bool is not an eps
         with pytest.raises(ValueError, match="eps"):
             rms_norm_linear(x, g, w, eps=eps)
     with pytest.raises(TypeError, match=r"x\.dtype"):

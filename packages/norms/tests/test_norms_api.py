@@ -65,7 +65,7 @@ def test_residual_and_gate_must_match_x():
 
 
 # 1e-50 is 0 as float32 (the kernels' eps): an all-zero row would get rstd = 1 / 0
-@pytest.mark.parametrize("eps", [0.0, -1e-6, 1e-50, float("nan"), float("inf")])
+@pytest.mark.parametrize("eps", [0.0, -1e-6, 1e-50, 1e300, float("nan"), float("inf")])
 def test_bad_eps_raises_value_error(eps):
     with pytest.raises(ValueError, match="eps must be"):
         rms_norm(torch.zeros(2, 4), None, eps)

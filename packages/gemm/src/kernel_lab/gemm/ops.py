@@ -58,6 +58,7 @@ from ._kernels import (
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -1040,9 +1041,8 @@ def rms_norm_linear(
     # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
     # at least float32's smallest normal: the kernels take eps as float32, where a smaller value
     # is 0 (or a denormal that may be flushed), and an all-zero row's rstd would be 1 / 0
-    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and FLOAT32_TINY <= eps < math.inf):
-        raise ValueError(f"{op}: eps must be a finite float >= {FLOAT32_TINY} (float32's smallest normal), "
-                         f"got {eps!r}")
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and FLOAT32_TINY <= eps <= FLOAT32_MAX):
+        raise ValueError(f"{op}: eps must be a float32 normal, in [{FLOAT32_TINY}, {FLOAT32_MAX}], got {eps!r}")
     _check_bias(op, bias, weight.shape[0])
     _check_same_device(op, x, norm_weight=norm_weight, weight=weight, bias=bias)
     runtime.check_backend(op, backend, x)

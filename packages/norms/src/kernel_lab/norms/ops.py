@@ -36,6 +36,7 @@ from ._kernels import (
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # Longest row held in registers in one pass. 16384 float32 values over 32 warps is 16 values
 # per thread; longer rows loop over the row twice (second read from L2).
@@ -760,9 +761,9 @@ def _check(
             raise ValueError(f"{name}: {arg} must be finite, got {v}")
     # at least float32's smallest normal: the kernels take eps as float32, where a smaller value
     # is 0 (or a denormal that may be flushed), and an all-zero row's rstd would be 1 / 0
-    if eps < FLOAT32_TINY:
-        raise ValueError(f"{name}: eps must be >= {FLOAT32_TINY} (float32's smallest normal; it keeps "
-                         f"1/sqrt(. + eps) finite), got {eps}")
+    if not FLOAT32_TINY <= eps <= FLOAT32_MAX:
+        raise ValueError(f"{name}: eps must be a float32 normal, in [{FLOAT32_TINY}, {FLOAT32_MAX}] (it keeps "
+                         f"1/sqrt(. + eps) finite and non-zero), got {eps}")
     runtime.check_backend(name, backend, x, "x")
     return float(eps), float(offset)
 
