@@ -144,6 +144,15 @@ def test_rope_inplace_overwrites_inputs(kernel_device, seed):
     assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
 
 
+def test_rope_inplace_refuses_tensors_whose_elements_share_memory():
+    """An expanded view (head stride 0) would be rotated once per alias in place."""
+    cos, sin = _tables(1, 6, 16, interleaved=False, device="cpu", seed=0)
+    q = testing.randn(1, 4, 6, 16, dtype=torch.float16, seed=1)
+    k = testing.randn(1, 1, 6, 16, dtype=torch.float16, seed=2).expand(1, 4, 6, 16)
+    with pytest.raises(ValueError, match="inplace=True on k whose elements share memory"):
+        apply_rope(q, k, cos, sin, inplace=True)
+
+
 # --- gpu tier ---------------------------------------------------------------------------------
 
 

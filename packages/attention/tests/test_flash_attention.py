@@ -97,6 +97,14 @@ def test_bad_dtype_and_heads_raise(kwargs, error, match):
         flash_attention(q, k, v)
 
 
+def test_reference_backend_returns_a_contiguous_output_in_the_inputs_layout():
+    """As the kernel does: (B, T, H, D) contiguous for bshd (the reference computes in bhsd)."""
+    q = testing.randn(2, 5, 4, 16, dtype=torch.float16, seed=1)
+    kv = testing.randn(2, 7, 2, 16, dtype=torch.float16, seed=2)
+    out = flash_attention(q, kv, kv, layout="bshd", backend="reference")
+    assert out.shape == q.shape and out.is_contiguous()
+
+
 def test_mismatched_arguments_raise_naming_them():
     q, k, v = _qkv(1, 2, 8, 16)
     with pytest.raises(ValueError, match="same head dim"):
@@ -117,6 +125,10 @@ def test_mismatched_arguments_raise_naming_them():
         flash_attention(q, k, v, causal=1)
     with pytest.raises(TypeError, match="scale must be a finite float"):
         flash_attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"\|scale\| must be at most"):  # inf as float32 in the kernels
+        flash_attention(q, k, v, scale=3e38)
+    with pytest.raises(ValueError, match="same batch size"):  # torch's SDPA would broadcast it
+        attention(q, torch.cat([k, k]), torch.cat([v, v]))
     with pytest.raises(ValueError, match="head dim must be in"):
         flash_attention(*(torch.zeros(1, 1, 4, 512, dtype=torch.float16) for _ in range(3)))
     with pytest.raises(TypeError, match=r"k must be a torch\.Tensor"):

@@ -42,6 +42,7 @@ MAX_HEAD_DIM = 256
 # stays inside int32 arithmetic in the kernels.
 UNBOUNDED = 1 << 30
 LOG2E = 1.4426950408889634
+MAX_SCALE = torch.finfo(torch.float32).max / LOG2E
 
 
 def _row_class(kind: str, head_dim: int, itemsize: int) -> str:
@@ -663,6 +664,9 @@ def _check_scalars(causal, scale, window, name: str) -> float | None:
         # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
             raise TypeError(f"{name}: scale must be a finite float or None, got {scale!r}")
+        # the kernels scale by scale * log2(e) in float32: past MAX_SCALE that is inf (NaN out)
+        if not -MAX_SCALE <= scale <= MAX_SCALE:
+            raise ValueError(f"{name}: |scale| must be at most {MAX_SCALE:.3e} (float32 max / log2(e)), got {scale!r}")
         scale = float(scale)
     if window is not None and (
         not isinstance(window, (tuple, list)) or len(window) != 2
@@ -728,7 +732,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, layout, b
     left, right = _window_bounds(causal, window)
     if backend == "reference":
         out, lse = _reference_fwd(q, k, v, cu_q, cu_k, scale, left, right, layout)
-        return out.to(q.dtype), lse
+        return out.to(q.dtype).contiguous(), lse  # (a transposed view for bshd) contiguous as documented
     if torch.compiler.is_compiling():
         if layout == "varlen":
             return torch.ops.kernel_lab.attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, right)
@@ -817,6 +821,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     `flash_attention` (bottom-right causal, GQA). Runs the Triton kernel where it can (see
     `attention_backend`), otherwise torch's scaled_dot_product_attention or the reference."""
     _check_qkv(q, k, v, 4, "attention")
+    if q.shape[0] != k.shape[0]:  # (torch's SDPA would broadcast it)
+        raise ValueError(f"attention: q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     _check_heads(q.shape[1], k.shape[1], "attention")
     scale = _check_scalars(causal, scale, None, "attention")
     be = attention_backend(q, k, causal=causal)
@@ -1038,6 +1044,12 @@ def apply_rope(
             raise ValueError(f"{name}: inplace=True cannot be used on tensors that require grad")
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError(f"{name}: inplace=True needs unit stride along the head dim")
+        # elements sharing memory (an expanded view) would be rotated once per alias; torch's own
+        # in-place ops refuse them the same way (1: overlap for sure; 2, "too hard", is let through)
+        for arg, t in (("q", q), ("k", k)):
+            if torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(f"{name}: inplace=True on {arg} whose elements share memory (e.g. an expanded "
+                                 f"view): each would be rotated once per alias")
         if torch.compiler.is_compiling():
             qo, ko = torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
             q.copy_(qo)
