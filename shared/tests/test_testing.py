@@ -83,3 +83,13 @@ def test_assert_double_backward_raises_fails_for_a_twice_differentiable_op():
     x = torch.randn(5, requires_grad=True)
     with pytest.raises(pytest.fail.Exception):
         testing.assert_double_backward_raises(torch.sin, x)
+
+
+def test_integer_outputs_are_compared_exactly_and_complex_refused():
+    ref = torch.arange(2_000_000, 2_000_010)
+    with pytest.raises(AssertionError):  # off by one at 2e6: the relative float floor was 2
+        testing.assert_close_to_reference(ref + 1, ref)
+    testing.assert_close_to_reference(ref.clone(), ref)
+    z = torch.ones(3, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="complex tensors are not supported"):
+        testing.assert_close_to_reference(z * 1j, z)
