@@ -405,3 +405,15 @@ def test_matmul_runs_on_the_operands_gpu_not_the_current_one(seed):
     with torch.cuda.device(0):
         out = matmul(a, b, bias=bias, activation="silu")
     check(out, a, b, bias, "silu")
+
+
+def test_quantize_fp8_tiny_and_empty_inputs():
+    """The largest |x| maps to 448 however small it is (a floor on amax flushed 1e-20 to zeros);
+    an empty x has no amax to scale by."""
+    x = torch.tensor([[1e-20, -5e-21, 0.0]])
+    q, scale = quantize_fp8(x)
+    assert float(q.float().abs().max()) == 448.0 and torch.isfinite(scale).all()
+    q, scale = quantize_fp8(torch.zeros(2, 3), "row")
+    assert (q.float() == 0).all() and (scale > 0).all()
+    with pytest.raises(ValueError, match="x is empty"):
+        quantize_fp8(torch.zeros(0, 4))

@@ -318,3 +318,29 @@ def test_tiny_float16_weights_keep_their_codes(seed, bits):
     err = (exact - w.double()).abs()
     assert (err <= qw.scales.double().repeat_interleave(32, dim=1) / 2).all()
     assert err.max() <= 0.6 * w.double().abs().max() / qmax
+
+
+def test_quantize_weight_edge_values():
+    """A NaN / inf weight and a non-int bits are refused; a float16 group near 65504 dequantizes
+    finite (its scale is rounded up, so code x scale may pass 65504 by less than a step); an empty
+    weight reports a compression of 1."""
+    w = torch.ones(4, 64, dtype=torch.float16)
+    w[1, 3] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_weight(w)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize_weight(torch.ones(4, 64, dtype=torch.float16), bits=8.0)
+    big = torch.full((2, 64), 65504.0, dtype=torch.float16)
+    for bits in (8, 4):
+        deq = quantize_weight(big, bits, 32).dequantize()
+        assert torch.isfinite(deq).all() and (deq.float() - big.float()).abs().max() <= 65504 / 127
+    empty = quantize_weight(torch.zeros(0, 64, dtype=torch.float16), group_size=None)
+    assert empty.compression == 1.0 and "compression=1.00x" in repr(QuantizedLinear(empty))
+
+
+def test_patch_hf_checks_its_arguments_before_replacing_anything():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(96, 64)).half()
+    for kwargs in (dict(bits=8, group_size=48), dict(bits=3)):
+        with pytest.raises(ValueError, match="patch_hf"):
+            patch_hf(model, **kwargs)
+        assert all(type(m) is nn.Linear for m in model)

@@ -87,6 +87,21 @@ def test_rms_norm_linear_strided_bias(kernel_device, seed, m):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("affine", [True, False])
+def test_from_modules_follows_torch_rmsnorm_defaults(kernel_device, seed, affine):
+    """nn.RMSNorm(eps=None) adds float32's epsilon (1e-6 was 24% off on float16 inputs near
+    1e-3); elementwise_affine=False (no weight) scales by 1."""
+    x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed, scale=1e-3)
+    norm = torch.nn.RMSNorm(64, elementwise_affine=affine).to(kernel_device, torch.float16)
+    lin = torch.nn.Linear(64, 32, bias=False).to(kernel_device, torch.float16)
+    fused = RMSNormLinear.from_modules(norm, lin)
+    assert fused.eps == torch.finfo(torch.float32).eps
+    g = norm.weight if affine else torch.ones(64, dtype=torch.float16, device=kernel_device)
+    testing.assert_close_to_reference(fused(x), reference.rms_norm_linear(x, g, lin.weight, fused.eps),
+                                      lin(norm(x)).detach(), factor=FACTOR)
+
+
+@pytest.mark.interpret
 def test_rms_norm_linear_strided_batched_input_and_module(kernel_device, seed):
     x = testing.strided_rows(testing.randn(2, 3, 40, dtype=torch.float16, device=kernel_device, seed=seed))
     norm = torch.nn.RMSNorm(40, eps=1e-5).to(kernel_device, torch.float16)

@@ -91,7 +91,14 @@ class RMSNormLinear(nn.Module):
         eps = getattr(norm, "eps", None)
         if eps is None:
             eps = getattr(norm, "variance_epsilon", None)
-        return cls(norm.weight, linear, 1e-6 if eps is None else float(eps))
+        if eps is None and isinstance(norm, nn.RMSNorm):
+            # nn.RMSNorm(eps=None) adds the epsilon of its float32 compute type (for float16,
+            # bfloat16 and float32 inputs alike), not 1e-6: 24% apart on float16 inputs near 1e-3
+            eps = torch.finfo(torch.float32).eps
+        weight = getattr(norm, "weight", None)
+        if weight is None:  # elementwise_affine=False: a norm without a weight scales by 1
+            weight = torch.ones(linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+        return cls(weight, linear, 1e-6 if eps is None else float(eps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_linear(x, self.norm_weight, self.linear.weight, eps=self.eps, bias=self.linear.bias)
@@ -104,6 +111,13 @@ def patch_hf(
     `Linear` (bits=None) or with `QuantizedLinear` (bits=8 or 4, weight-only). Layers whose
     qualified name contains one of `skip` are left alone. A layer reachable under several names
     (shared or tied) gets one replacement, under every name. Returns how many were replaced."""
+    # checked before any layer is replaced: a bad value raised from quantize_weight midway left the
+    # model half patched
+    if bits not in (None, 4, 8):
+        raise ValueError(f"patch_hf: bits must be None, 4 or 8, got {bits!r}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                   or group_size <= 0 or group_size % 32):
+        raise ValueError(f"patch_hf: group_size must be None or a positive multiple of 32, got {group_size!r}")
     replaced: dict[int, nn.Module] = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):  # every name, a module under two included

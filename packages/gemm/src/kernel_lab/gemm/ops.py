@@ -800,9 +800,13 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Te
         raise ValueError(f"quantize_fp8: granularity must be 'tensor' or 'row', got {granularity!r}")
     if granularity == "row" and x.ndim != 2:
         raise ValueError(f"quantize_fp8: granularity='row' needs a 2-D x, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"quantize_fp8: x is empty (shape {tuple(x.shape)}): there is no amax to scale by")
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if granularity == "row" else xf.abs().amax().reshape(1)
-    scale = amax.clamp_min(1e-12) / reference.FP8_E4M3_MAX
+    # at least float32's smallest normal: an all-zero x (or row) gets a usable scale, and a tiny
+    # one still maps its amax to 448 (a floor of 1e-12 on amax flushed max|x| = 1e-20 to zeros)
+    scale = (amax / reference.FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = (xf / scale).clamp(-reference.FP8_E4M3_MAX, reference.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -868,16 +872,20 @@ class QuantizedWeight:
 
     @property
     def compression(self) -> float:
-        """dense_nbytes / nbytes: the memory saving, scales and zero points included."""
-        return self.dense_nbytes / self.nbytes
+        """dense_nbytes / nbytes: the memory saving, scales and zero points included (1.0 for an
+        empty weight)."""
+        return self.dense_nbytes / self.nbytes if self.nbytes else 1.0
 
     def dequantize(self) -> torch.Tensor:
-        """The (N, K) weight these codes stand for, in the original dtype."""
+        """The (N, K) weight these codes stand for, in the original dtype (saturated to its finite
+        range: a float16 group near 65504 has its scale rounded up, and code x scale can land past
+        65504 by less than a step, where the cast would give inf)."""
         w = reference.dequantize_weight(
             self.qdata, self.scales, self.zeros, bits=self.bits, group_size=self.group_size,
             compute_dtype=torch.float32,
         )
-        return w.to(self.dtype)
+        big = torch.finfo(self.dtype).max
+        return w.clamp(-big, big).to(self.dtype)
 
 
 def _stored_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -920,12 +928,15 @@ def quantize_weight(
     scales) round-trips exactly and no code is clamped by the scale's rounding.
 
     Raises TypeError for non-float weights, ValueError for bits not in (4, 8), a group_size that
-    does not divide K or is not a multiple of 32, or an odd K for int4.
+    does not divide K or is not a multiple of 32, an odd K for int4, or a NaN / inf weight (it
+    would make its whole group's scale non-finite; one read-back of the weight, an offline call).
     """
     op = "quantize_weight"
     _check_tensor(w, "w", op, (*SUPPORTED_DTYPES, torch.float32), ndim=(2,))
-    if bits not in (4, 8):
-        raise ValueError(f"{op}: bits must be 4 or 8, got {bits}")
+    if isinstance(bits, bool) or bits not in (4, 8) or not isinstance(bits, int):
+        raise ValueError(f"{op}: bits must be 4 or 8, got {bits!r}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{op}: w has NaN or inf values: each would turn its whole group's scale non-finite")
     n, k = w.shape
     if group_size is None or group_size == k:
         group_size = k
