@@ -344,3 +344,9 @@ def test_patch_hf_checks_its_arguments_before_replacing_anything():
         with pytest.raises(ValueError, match="patch_hf"):
             patch_hf(model, **kwargs)
         assert all(type(m) is nn.Linear for m in model)
+
+
+def test_patch_hf_keeps_eval_mode():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).half().eval()
+    assert patch_hf(model, bits=8, group_size=32) == 2
+    assert all(not m.training for m in model)

@@ -129,6 +129,17 @@ def test_patch_hf_leaves_sparse_activation_mlps_alone():
     assert model[0] is sparse and isinstance(model[1], mlp.GeGLUMLP)
 
 
+def test_patch_hf_leaves_mlps_with_more_than_the_plain_forward_alone():
+    """Multipliers (FalconH1), clamps (DeepSeek-V4, GLM-5), a dropout or a sub-norm change the
+    forward: such a module is left alone, a plain one beside it is swapped."""
+    scaled, dropped, plain = (_ToyHFMLP(nn.SiLU()) for _ in range(3))
+    scaled.gate_multiplier = 0.5
+    dropped.dropout = nn.Dropout(0.1)
+    model = nn.ModuleList([scaled, dropped, plain])
+    assert mlp.patch_hf(model) == 1
+    assert model[0] is scaled and model[1] is dropped and isinstance(model[2], mlp.SwiGLUMLP)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
 def test_patch_hf_on_small_transformers_model_keeps_logits(seed, family):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -219,6 +219,16 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
     assert patch_hf(model) == 0  # nothing left to swap
 
 
+def test_patch_hf_replaces_a_norm_under_every_name_and_keeps_eval_mode():
+    """A norm registered twice in one parent (`final_norm = norm`) gets the one replacement under
+    both names (named_children() yields it once); an eval-mode model stays in eval mode."""
+    model = nn.Sequential(nn.LayerNorm(8))
+    model.add_module("again", model[0])
+    model.eval()
+    assert patch_hf(model) == 1
+    assert isinstance(model[0], LayerNorm) and model.again is model[0] and not model[0].training
+
+
 def test_patch_hf_leaves_layer_norm_subclasses_and_replaces_shared_modules_once():
     """A subclass of nn.LayerNorm computes something else under the same parameters (Nemotron's
     weight + 1): it is left alone. A norm shared by two parents becomes one module, counted once."""

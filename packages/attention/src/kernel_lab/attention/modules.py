@@ -87,13 +87,37 @@ def _hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     return apply_rope(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
 
 
+def _is_rotate_half_rope(fn) -> bool:
+    """Whether `fn`, a modeling module's apply_rotary_pos_emb, computes the rotate_half RoPE that
+    `_hf_apply_rotary_pos_emb` replaces (q * cos + rotate_half(q) * sin, cos/sin of duplicated
+    halves): probed on small random tensors. GLM's and Cohere's interleaved RoPE have the same
+    name and signature and differ."""
+    if fn is _hf_apply_rotary_pos_emb:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 2, 3, 8, generator=gen).unbind(0)
+    angles = torch.randn(1, 3, 4, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def expected(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+    try:
+        q_out, k_out = fn(q, k, cos, sin)
+    except Exception:  # another signature: not the function this patch knows
+        return False
+    return bool(torch.allclose(q_out, expected(q), atol=1e-6) and torch.allclose(k_out, expected(k), atol=1e-6))
+
+
 def patch_hf(model: torch.nn.Module) -> torch.nn.Module:
     """Replace `apply_rotary_pos_emb` in the modeling module of `model` (e.g.
     transformers.models.llama.modeling_llama) by kernel_lab's one-launch RoPE kernel.
 
     The patch is per modeling module, so it affects every model of that architecture in the
     process. Returns the model. Raises ImportError without transformers, ValueError when the
-    model's module has no `apply_rotary_pos_emb`.
+    model's module has no `apply_rotary_pos_emb`, or one that is not the rotate_half RoPE (e.g.
+    GLM's or Cohere's interleaved one, whose logits the replacement would change silently).
     """
     _require_transformers()
     module = sys.modules.get(type(model).__module__)
@@ -101,6 +125,11 @@ def patch_hf(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(
             f"patch_hf: {type(model).__module__} has no apply_rotary_pos_emb to replace (supported: Llama, "
             "Qwen2, Mistral and other rotate_half models)"
+        )
+    if not _is_rotate_half_rope(module.apply_rotary_pos_emb):
+        raise ValueError(
+            f"patch_hf: {type(model).__module__}.apply_rotary_pos_emb is not the rotate_half RoPE that kernel_lab's "
+            "kernel replaces (an interleaved RoPE such as GLM's or Cohere's): left unpatched"
         )
     module.apply_rotary_pos_emb = _hf_apply_rotary_pos_emb
     return model

@@ -134,6 +134,7 @@ def patch_hf(
             else:
                 gs = group_size if group_size is not None and child.in_features % group_size == 0 else None
                 new = QuantizedLinear.from_linear(child, bits, gs)
+            new.train(child.training)  # an eval-mode model stays in eval mode
             replaced[id(child)] = new
             setattr(parent, name, new)
     return len(replaced)

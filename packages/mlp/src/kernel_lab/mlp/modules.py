@@ -125,12 +125,29 @@ def _identify_activation(act_fn) -> tuple[str, str] | None:
     return None
 
 
+# What a plain gated MLP (down(act(gate(x)) * up(x)): Llama, Qwen2/3, Mistral, Gemma) holds
+# besides nn.Module's own state: anything else (FalconH1's gate/down multipliers, the clamps of
+# DeepSeek-V4 / GLM-5 (`limit`), a sub-norm or dropout module) changes its forward, which the
+# fused module would drop silently.
+_PLAIN_MLP_MODULES = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_PLAIN_MLP_ATTRIBUTES = {"training", "config", "hidden_size", "intermediate_size", "activation_sparsity"}
+
+
+def _plain_gated_mlp(module: nn.Module) -> bool:
+    if set(module._modules) - _PLAIN_MLP_MODULES or module._buffers:
+        return False
+    extra = {k for k in vars(module) if not k.startswith("_")} - _PLAIN_MLP_ATTRIBUTES
+    return not extra
+
+
 def patch_hf(model: nn.Module) -> int:
     """Replace, in place, every gated MLP of a Hugging Face model by `SwiGLUMLP` / `GeGLUMLP`.
 
     A module is replaced when it has nn.Linear `gate_proj`, `up_proj` and `down_proj` and an
     `act_fn` that computes SiLU (Llama, Qwen2, Mistral) or GELU, exact or tanh (Gemma), and no
-    `activation_sparsity` (Gemma 3n's sparse layers keep their own forward). The new module
+    `activation_sparsity` (Gemma 3n's sparse layers keep their own forward), nor any other
+    submodule or attribute (`_plain_gated_mlp`: multipliers, clamps, sub-norms or dropout change
+    the forward; such modules are left alone). The new module
     adopts the same nn.Linear objects, so weights, dtype, device and parameter identity
     (optimizer state) are kept. Returns the number of modules replaced.
     """
@@ -146,6 +163,8 @@ def patch_hf(model: nn.Module) -> int:
                 continue
             if getattr(child, "activation_sparsity", 0.0):
                 continue  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
+            if not _plain_gated_mlp(child):
+                continue
             kind = _identify_activation(child.act_fn)
             if kind is not None:
                 targets.append((parent, name, child, projections, kind))

@@ -112,9 +112,15 @@ def patch_hf(model: nn.Module) -> int:
     """
     swaps, replaced = [], {}  # a module shared by several parents gets one replacement, counted once
     for _, parent in model.named_modules():
-        for child_name, child in parent.named_children():
+        # every name: named_children() yields a module registered twice in one parent once, and
+        # the second name kept the original
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             if id(child) not in replaced:
                 replaced[id(child)] = _replacement(child)
+                if replaced[id(child)] is not None:
+                    replaced[id(child)].train(child.training)  # an eval-mode model stays in eval mode
             if replaced[id(child)] is not None:
                 swaps.append((parent, child_name, replaced[id(child)]))
     for parent, child_name, new in swaps:
