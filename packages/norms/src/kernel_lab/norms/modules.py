@@ -17,6 +17,7 @@ HF_RMS_NORM_OFFSETS: dict[str, float] = {
     "Qwen2MoeRMSNorm": 0.0,
     "Qwen3RMSNorm": 0.0,
     "Qwen3MoeRMSNorm": 0.0,
+    "Phi3RMSNorm": 0.0,  # (the same forward as LlamaRMSNorm)
     "GemmaRMSNorm": 1.0,
     "Gemma2RMSNorm": 1.0,
     "Gemma3RMSNorm": 1.0,
@@ -99,7 +100,7 @@ def _replacement(module: nn.Module) -> nn.Module | None:
 
 
 def patch_hf(model: nn.Module) -> int:
-    """Replace, in place, the RMSNorm modules of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
+    """Replace, in place, the RMSNorm modules of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 /
     Gemma model (matched by class name, see HF_RMS_NORM_OFFSETS) and every 1-D
     `torch.nn.LayerNorm` (not its subclasses) by kernel_lab's `RMSNorm` / `LayerNorm`, keeping the
     same weight Parameters; a module shared by several parents is replaced by one module. Returns
