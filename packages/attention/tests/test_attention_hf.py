@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_lab.attention import flash_attention, modules, patch_hf, register_hf
-from kernel_lab.shared import testing
+from kernel_lab.shared import reference, testing
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 FWD_FACTOR = 2.0  # the attention forward's factor (docs/correctness.md)
@@ -113,20 +113,10 @@ def test_only_a_rotate_half_rope_is_replaced():
     """GLM's and Cohere's apply_rotary_pos_emb (interleaved pairs) share the name and signature of
     the rotate_half one: patch_hf probes the function and refuses them (their logits would move)."""
 
-    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
-        def rotate(x):
-            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    def interleaved(q, k, cos, sin):
+        return reference.apply_rope(q, k, cos, sin, interleaved=True, compute_dtype=torch.float32)
 
-        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
-        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
-        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-
-    def rotate_half(q, k, cos, sin, unsqueeze_dim=1):
-        def rotate(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((-x2, x1), dim=-1)
-
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+    def rotate_half(q, k, cos, sin):
+        return reference.apply_rope(q, k, cos, sin, compute_dtype=torch.float32)
 
     assert modules._is_rotate_half_rope(rotate_half) and not modules._is_rotate_half_rope(interleaved)

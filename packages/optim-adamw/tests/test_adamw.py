@@ -241,14 +241,18 @@ def test_adamw_param_groups_with_different_hyperparameters(kernel_device, seed):
     _assert_matches_torch(ours, theirs, opt, topt, "param")
 
 
+def _twin_optimizers(kernel_device, seed):
+    """float32 params of SHAPES and their copies, under our AdamW and torch.optim.AdamW (HP)."""
+    ours = _params(SHAPES, torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, theirs, AdamW(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+
+
 @pytest.mark.interpret
 def test_adamw_cleared_state_and_changed_grad_set_follow_torch(kernel_device, seed):
     """step() caches its per-group launch lists: clearing the state, or a different set of
     parameters having gradients, must be seen as torch.optim.AdamW sees it."""
-    ours = _params(SHAPES, torch.float32, kernel_device, seed)
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = AdamW(ours, **HP)
-    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    ours, theirs, opt, topt = _twin_optimizers(kernel_device, seed)
     for step in range(5):
         _set_grads([ours, theirs], seed + step)
         if step == 3:
@@ -267,10 +271,7 @@ def test_adamw_state_edited_by_the_caller_follows_torch(kernel_device, seed, edi
     """A state entry replaced (a step counter, a moment), one param's state cleared or replaced
     by a new dict, after the launch lists were cached (two steps): the next step uses what the
     state holds now, as torch.optim.AdamW does (the cached lists held the old tensors)."""
-    ours = _params(SHAPES, torch.float32, kernel_device, seed)
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = AdamW(ours, **HP)
-    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    ours, theirs, opt, topt = _twin_optimizers(kernel_device, seed)
     for step in range(5):
         _set_grads([ours, theirs], seed + step)
         if step == 3:

@@ -58,6 +58,21 @@ def check_forward_and_backward(op_name, x, dim=-1, *, grad=True, seed=0):
     testing.assert_close_to_reference(dx, ref_dx, baseline_dx, factor=BWD_FACTOR, name=f"{op_name} backward")
 
 
+def check_forward_in_place_and_strided(op_name, x, what):
+    """The forward of x (row 0 fully masked) and of a copy of x in NaN-padded rows (a read past
+    a row would show) against the reference; torch's NaN on the masked row is not its budget."""
+    n_rows, n_cols = x.shape
+    base = torch.full((n_rows, n_cols + 13), float("nan"), dtype=x.dtype, device=x.device)
+    base[:, :n_cols] = x
+    ours, torch_op, ref_fwd, _ = OPS[op_name]
+    ref = ref_fwd(x)
+    baseline = torch_op(x, -1)
+    baseline[0] = ref[0].to(x.dtype)  # torch gives NaN on the fully masked row (see the README)
+    for inp in (x, base[:, :n_cols]):
+        y = ours(inp, backend="triton")
+        testing.assert_close_to_reference(y, ref, baseline, factor=FWD_FACTOR, name=f"{op_name} {what}")
+
+
 # --- reference tier: validation and the reference backend --------------------------------------
 
 
@@ -281,16 +296,7 @@ def test_cooperative_kernel_matches_reference(op_name, n_rows, n_cols, dtype, se
     x[2, ::7] = float("-inf")
     x[3] = -200.0  # all finite entries far below 0: exp of the chunk shift must not overflow
     x[3, -1] = float("-inf")
-    base = torch.full((n_rows, n_cols + 13), float("nan"), dtype=dtype, device="cuda")
-    base[:, :n_cols] = x
-    strided = base[:, :n_cols]  # NaN padding: a read past the row would show
-    ours, torch_op, ref_fwd, _ = OPS[op_name]
-    ref = ref_fwd(x)
-    baseline = torch_op(x, -1)
-    baseline[0] = ref[0].to(dtype)  # torch gives NaN on the fully masked row (see the README)
-    for inp in (x, strided):
-        y = ours(inp, backend="triton")
-        testing.assert_close_to_reference(y, ref, baseline, factor=FWD_FACTOR, name=f"{op_name} coop forward")
+    check_forward_in_place_and_strided(op_name, x, "coop forward")
     check_forward_and_backward(op_name, testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed), seed=seed)
 
 
@@ -327,16 +333,8 @@ def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dt
     x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
     x[0] = float("-inf")  # fully masked row
     x[1, ::5] = float("-inf")
-    base = torch.full((n_rows, n_cols + 16), float("nan"), dtype=dtype, device="cuda")
-    base[:, :n_cols] = x
-    strided = base[:, :n_cols]  # NaN padding: a read past the row would show
-    ours, torch_op, ref_fwd, _ = OPS[op_name]
-    ref = ref_fwd(x)
-    baseline = torch_op(x, -1)
-    baseline[0] = ref[0].to(dtype)  # torch gives NaN on the fully masked row (see the README)
-    for inp in (x, strided):
-        y = ours(inp, backend="triton")
-        testing.assert_close_to_reference(y, ref, baseline, factor=FWD_FACTOR, name=f"{op_name} L2 looped forward")
+    check_forward_in_place_and_strided(op_name, x, "L2 looped forward")
+    ours = OPS[op_name][0]
     # the custom op that torch.compile calls plans the same launch
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: ours(t, -1), fullgraph=True)

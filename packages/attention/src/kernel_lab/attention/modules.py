@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from kernel_lab.shared import reference
+
 from .ops import apply_rope, flash_attention
 
 HF_NAME = "kernel_lab"
@@ -95,19 +97,15 @@ def _is_rotate_half_rope(fn) -> bool:
     if fn is _hf_apply_rotary_pos_emb:
         return True
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 1, 2, 3, 8, generator=gen).unbind(0)
+    q, k = torch.randn(2, 1, 2, 3, 8, generator=gen).unbind(0)  # (B, H, T, D)
     angles = torch.randn(1, 3, 4, generator=gen)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-
-    def expected(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (B, T, D)
     try:
         q_out, k_out = fn(q, k, cos, sin)
     except Exception:  # another signature: not the function this patch knows
         return False
-    return bool(torch.allclose(q_out, expected(q), atol=1e-6) and torch.allclose(k_out, expected(k), atol=1e-6))
+    q_ref, k_ref = reference.apply_rope(q, k, cos, sin, compute_dtype=torch.float32)
+    return bool(torch.allclose(q_out, q_ref, atol=1e-6) and torch.allclose(k_out, k_ref, atol=1e-6))
 
 
 def patch_hf(model: torch.nn.Module) -> torch.nn.Module:

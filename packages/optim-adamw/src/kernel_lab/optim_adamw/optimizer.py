@@ -12,24 +12,11 @@ from torch.optim import optimizer as torch_optimizer
 from . import ops
 
 
-class _ParamState(dict):
-    """One parameter's optimizer state: a dict whose every edit (an entry set, removed or
-    cleared) bumps its optimizer's state version, the one-element list `versions`, so that a
-    step's cached launch lists are not reused with tensors the state no longer holds. Pickles
-    and deep-copies as a plain dict (a checkpoint holds no reference to the optimizer)."""
+class _Versioned:
+    """The edits a dict and a defaultdict share, each bumping `self._versions[0]` (a one-element
+    list owned by the optimizer): the subclasses below add the ones that differ."""
 
-    __slots__ = ("_versions",)
-
-    def __init__(self, versions: list, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._versions = versions
-
-    def __reduce__(self):
-        return dict, (dict(self),)
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self._versions[0] += 1
+    __slots__ = ()
 
     def __delitem__(self, key):
         super().__delitem__(key)
@@ -51,6 +38,26 @@ class _ParamState(dict):
         self._versions[0] += 1
         return super().popitem()
 
+
+class _ParamState(_Versioned, dict):
+    """One parameter's optimizer state: a dict whose every edit (an entry set, removed or
+    cleared) bumps its optimizer's state version, so that a step's cached launch lists are not
+    reused with tensors the state no longer holds. Pickles and deep-copies as a plain dict (a
+    checkpoint holds no reference to the optimizer)."""
+
+    __slots__ = ("_versions",)
+
+    def __init__(self, versions: list, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._versions = versions
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._versions[0] += 1
+
     def setdefault(self, key, default=None):
         self._versions[0] += 1
         return super().setdefault(key, default)
@@ -60,7 +67,7 @@ class _ParamState(dict):
         self._versions[0] += 1
 
 
-class _StateTable(defaultdict):
+class _StateTable(_Versioned, defaultdict):
     """`optimizer.state`: param -> _ParamState, created on first access as torch's
     defaultdict(dict) does; adding, replacing or removing a param's state bumps the version too.
     Pickles and deep-copies as torch's defaultdict(dict) of plain dicts."""
@@ -82,23 +89,7 @@ class _StateTable(defaultdict):
         super().__setitem__(key, value)
         self._versions[0] += 1
 
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        self._versions[0] += 1
-
-    def clear(self):
-        super().clear()
-        self._versions[0] += 1
-
-    def pop(self, *args):
-        self._versions[0] += 1
-        return super().pop(*args)
-
-    def popitem(self):
-        self._versions[0] += 1
-        return super().popitem()
-
-    def update(self, *args, **kwargs):
+    def update(self, *args, **kwargs):  # through __setitem__: every value becomes a _ParamState
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
@@ -106,10 +97,6 @@ class _StateTable(defaultdict):
         if key not in self:
             self[key] = {} if default is None else default
         return self[key]
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
 
     def copy(self):
         return _StateTable(self._versions, self)
