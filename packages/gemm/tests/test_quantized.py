@@ -350,3 +350,104 @@ def test_patch_hf_keeps_eval_mode():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).half().eval()
     assert patch_hf(model, bits=8, group_size=32) == 2
     assert all(not m.training for m in model)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_weight_without_columns_quantizes_and_gives_the_bias(seed, bits, symmetric, group_size):
+    """K = 0 (an nn.Linear(0, N), legal in torch): no codes; per channel one scale per row, that
+    of an all-zero row (the ZeroDivisionError of K // group_size at group_size = K = 0 is gone),
+    group-wise no scales; quantized_matmul gives the bias (zeros without one), as the reference."""
+    w = torch.zeros(5, 0, dtype=torch.float16)
+    qw = quantize_weight(w, bits, group_size, symmetric)
+    assert qw.qdata.shape == (5, 0) and qw.shape == (5, 0) and qw.dequantize().shape == (5, 0)
+    if group_size is None:
+        zero_rows = quantize_weight(torch.zeros(5, 32, dtype=torch.float16), bits, None, symmetric)
+        assert qw.group_size == 0 and torch.equal(qw.scales, zero_rows.scales)
+        assert (qw.zeros is None) == symmetric and (symmetric or torch.equal(qw.zeros, zero_rows.zeros))
+    else:
+        assert qw.scales.shape == (5, 0)
+    assert qw.compression == 1.0
+    x = testing.randn(3, 0, dtype=torch.float16, seed=seed)
+    bias = testing.randn(5, dtype=torch.float16, seed=seed + 1)
+    ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=qw.group_size, bias=bias)
+    out = quantized_matmul(x, qw, bias=bias)
+    assert torch.equal(out, ref.to(torch.float16)) and torch.equal(out, bias.expand(3, 5))
+    assert torch.equal(quantized_matmul(x, qw), torch.zeros(3, 5, dtype=torch.float16))
+    lin = nn.Linear(0, 5).half()
+    q = QuantizedLinear.from_linear(lin, bits, group_size, symmetric)
+    assert torch.equal(q(x), lin.bias.detach().expand(3, 5)) and "in_features=0" in repr(q)
+    # rebuilt from its fields (a state dict): the same checks accept it
+    assert QuantizedWeight(qw.qdata, qw.scales, qw.zeros, bits, qw.group_size, (5, 0), qw.dtype).shape == (5, 0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [32, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantization_near_the_float32_range(seed, bits, group_size, dtype, symmetric):
+    """Asymmetric groups spanning more than float32's max (max - min overflowed to inf: inf
+    scales, NaN weights): the range is taken in float64, so the scales are finite and every weight
+    is within a step of its value (the documented bound); and no (code - zero) x scale passes
+    float32's max (symmetric int8 at 3.4028235e38: the rounded-up scale x 127 did, inf in float32)."""
+    big = torch.finfo(dtype).max
+    w = testing.randn(4, 64, seed=seed).clamp(-1, 1) * 1e37
+    w[0, ::2], w[0, 1::2] = big, -big  # the whole range: 2 x max
+    w[1, :32], w[1, 32:] = 3e38, -1.7e38
+    w[2, 5], w[2, 40] = -3e38, 1.7e38
+    w = w.to(dtype)
+    assert torch.isfinite(w).all()
+    qw = quantize_weight(w, bits, group_size, symmetric)
+    assert torch.isfinite(qw.scales).all()
+    g = group_size or 64
+    step = qw.scales.double().repeat_interleave(g, dim=1)
+    exact = reference.dequantize_weight(qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=g)
+    err = (exact - w.double()).abs()
+    assert (err <= step).all(), (err / step).max()  # half a step for the code, half for the zero point or the edge
+    assert (exact.abs() <= torch.finfo(torch.float32).max).all()
+    deq = qw.dequantize()
+    assert deq.dtype == dtype and torch.isfinite(deq).all()
+    assert ((deq.double() - w.double()).abs() <= step).all()
+
+
+CASTS = {
+    "float": lambda m, device: m.float(),
+    "half": lambda m, device: m.half(),
+    "bfloat16": lambda m, device: m.bfloat16(),
+    "double": lambda m, device: m.double(),
+    "to_float32": lambda m, device: m.to(torch.float32),
+    "to_device_bfloat16": lambda m, device: m.to(device, torch.bfloat16),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (4, False)])
+def test_quantized_linear_keeps_its_tensors_dtypes_under_module_casts(kernel_device, seed, cast, bits, symmetric):
+    """model.float() / .half() / .bfloat16() / .double() / .to(dtype) on a model holding a
+    QuantizedLinear leave its codes, scales, zero points and bias as they are (a device move
+    still applies): the scales are part of the quantized format, and a cast re-rounded them
+    (float16 -> bfloat16: other weights than the codes were computed for) or made the layer
+    unusable (float64 scales and bias, which quantized_matmul refuses)."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(64, 24).half()
+    with torch.no_grad():
+        lin.weight.mul_(1 + torch.rand(24, 1).half() * 3)  # scales with mantissa bits bfloat16 lacks
+    model = nn.Sequential(QuantizedLinear.from_linear(lin, bits, 32, symmetric))
+    qw, bias = model[0].qweight, model[0].bias.detach().clone()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    model = CASTS[cast](model, kernel_device)
+    for name, t in model.state_dict().items():
+        assert t.dtype == before[name].dtype and torch.equal(t.cpu(), before[name]), name
+    if cast == "to_device_bfloat16":  # the device part of .to(device, dtype) applies
+        assert all(t.device.type == kernel_device for t in model.state_dict().values())
+    model.to(kernel_device)
+    qw = QuantizedWeight(*(None if t is None else t.to(kernel_device) for t in (qw.qdata, qw.scales, qw.zeros)),
+                         bits, 32, qw.shape, qw.dtype)
+    x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    out = model(x)
+    ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=32,
+                                     bias=bias.to(kernel_device))
+    base = x @ qw.dequantize().to(x.dtype).T + bias.to(kernel_device)
+    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=f"QuantizedLinear after {cast}")

@@ -140,6 +140,91 @@ def test_patch_hf_leaves_mlps_with_more_than_the_plain_forward_alone():
     assert model[0] is scaled and model[1] is dropped and isinstance(model[2], mlp.SwiGLUMLP)
 
 
+class _ToyPackedHFMLP(nn.Module):
+    """The attribute layout of Phi3MLP / GlmMLP: one gate_up_proj whose output is [gate | up]
+    (or [up | gate], as Phi-4-multimodal's audio MLP, with up_first)."""
+
+    def __init__(self, act_fn: nn.Module, up_first: bool = False, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(16, 48, bias=bias)
+        self.down_proj, self.activation_fn = nn.Linear(24, 16, bias=bias), act_fn
+        if up_first:
+            self.forward = self._up_first
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+    def _up_first(self, x):
+        up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_patch_hf_replaces_packed_gate_up_mlps_sharing_the_projections(seed, bias):
+    acts = (nn.SiLU(), nn.GELU(approximate="tanh"))
+    model = nn.ModuleList([_ToyPackedHFMLP(act, bias=bias) for act in acts])
+    _init_(model, seed)
+    gate_up, down = model[0].gate_up_proj, model[0].down_proj
+    keys = set(model.state_dict())
+    x = randn(3, 5, 16, seed=seed + 1)
+    with torch.no_grad():
+        before = [m(x) for m in model]
+    assert mlp.patch_hf(model) == 2
+    assert isinstance(model[0], mlp.SwiGLUMLP) and model[0].fuse_gate_up
+    assert isinstance(model[1], mlp.GeGLUMLP) and model[1].fuse_gate_up and model[1].approximate == "tanh"
+    assert model[0].gate_up_proj is gate_up and model[0].down_proj is down  # shared, not copied
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        for m, b in zip(model, before, strict=True):
+            assert_close_to_reference(m(x), _reference_mlp(m, x), _eager_mlp(m, x), name="packed mlp")
+            torch.testing.assert_close(m(x), b, rtol=1e-5, atol=1e-6)
+    assert mlp.patch_hf(model) == 0  # idempotent
+
+
+def test_patch_hf_leaves_packed_mlps_it_cannot_verify_alone():
+    """The split order of gate_up_proj is checked on the module's forward: an [up | gate] split, a
+    packed MLP with meta weights (the forward cannot run on data) or with an extra submodule stays."""
+    up_first = _ToyPackedHFMLP(nn.SiLU(), up_first=True)
+    with torch.device("meta"):
+        meta = _ToyPackedHFMLP(nn.SiLU())
+    dropped = _ToyPackedHFMLP(nn.SiLU())
+    dropped.dropout = nn.Dropout(0.1)
+    plain = _ToyPackedHFMLP(nn.SiLU())
+    model = nn.ModuleList([up_first, meta, dropped, plain])
+    assert mlp.patch_hf(model) == 1
+    assert model[0] is up_first and model[1] is meta and model[2] is dropped
+    assert isinstance(model[3], mlp.SwiGLUMLP) and model[3].fuse_gate_up
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm"])
+def test_patch_hf_on_small_transformers_packed_mlp_model_keeps_logits(seed, family):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg_cls, model_cls, mlp_cls = {
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", "Phi3MLP"),
+        "glm": ("GlmConfig", "GlmForCausalLM", "GlmMLP"),
+    }[family]
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    config = getattr(transformers, cfg_cls)(
+        vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(seed % 2**31)
+    model = getattr(transformers, model_cls)(config).eval()
+    assert all(type(layer.mlp).__name__ == mlp_cls for layer in model.model.layers)
+    weights = [layer.mlp.gate_up_proj.weight for layer in model.model.layers]
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert mlp.patch_hf(model) == 2
+        after = model(ids).logits
+    assert all(isinstance(layer.mlp, mlp.SwiGLUMLP) and layer.mlp.fuse_gate_up for layer in model.model.layers)
+    assert all(layer.mlp.gate_up_proj.weight is w for layer, w in zip(model.model.layers, weights, strict=True))
+    # float32 end to end; the fused activation rounds once where torch rounds twice
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
 def test_patch_hf_on_small_transformers_model_keeps_logits(seed, family):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -7,6 +7,7 @@ path set TRITON_INTERPRET=0 for their duration (`runtime.backend` reads it at ca
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -80,6 +81,53 @@ def test_non_numeric_eps_and_offset_raise_type_error():
         rms_norm(torch.zeros(2, 4), None, True)
     with pytest.raises(TypeError, match="offset must be a float"):
         rms_norm(torch.zeros(2, 4), None, offset=None)
+
+
+# Hugging Face configs may hold eps as a NumPy scalar. 2**-17 is exact in float32 and float64.
+NUMPY_EPS = 2.0**-17
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("np_type", [np.float32, np.float64], ids=lambda t: t.__name__)
+def test_numpy_scalar_eps_and_offset_match_the_reference(op, np_type, kernel_device, seed):
+    inputs = make_inputs(op, (5, 40), torch.float32, kernel_device, seed)
+    offset = 0.5 if op in ("rms_norm", "residual_rms_norm") else 0.0
+
+    def numpy_call(op, ins, eps, offset, **kw):  # ours gets NumPy scalars, the references Python floats
+        return call(op, ins, np_type(eps), np_type(offset), **kw)
+
+    check_op(op, inputs, eps=NUMPY_EPS, offset=offset, seed=seed, fn=numpy_call)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_numpy_scalar_eps_on_the_reference_backend_is_a_python_float(op, seed):
+    inputs = make_inputs(op, (3, 16), torch.float32, "cpu", seed)
+    want = call(op, inputs, NUMPY_EPS, 0.0, backend="reference")
+    for eps in (np.float32(NUMPY_EPS), np.float64(NUMPY_EPS)):
+        for o, w in zip(call(op, inputs, eps, np.float32(0.0), backend="reference"), want, strict=True):
+            assert torch.equal(o, w)
+    # an integer eps from NumPy: a real number like Python's 1
+    got = call(op, inputs, np.int64(1), np.int32(0), backend="reference")
+    for o, w in zip(got, call(op, inputs, 1.0, 0.0, backend="reference"), strict=True):
+        assert torch.equal(o, w)
+
+
+def test_bool_tensor_and_bad_numpy_eps_are_refused():
+    x = torch.zeros(2, 4)
+    for bad in (True, np.True_, np.array([1e-6])):
+        with pytest.raises(TypeError, match="eps must be a float"):
+            rms_norm(x, None, bad)
+    with pytest.raises(TypeError, match=r"eps must be a float .*got Tensor \(pass float\(t\) for a 0-d tensor\)"):
+        layer_norm(x, None, None, torch.tensor(1e-5))
+    with pytest.raises(TypeError, match="offset must be a float"):
+        residual_rms_norm(x, x, None, 1e-6, offset=np.bool_(False))
+    # the bounds hold for NumPy scalars too: 1e-50 is 0 in float32, 1e300 inf
+    for bad in (np.float32(0.0), np.float64(-1e-6), np.float64(1e-50), np.float64(1e300), np.float32("nan")):
+        with pytest.raises(ValueError, match="eps must be"):
+            rms_norm_gated(x, x, None, bad)
+    with pytest.raises(ValueError, match="offset must be finite"):
+        rms_norm(x, None, offset=np.float32("inf"))
 
 
 def test_unknown_or_unusable_backend_raises(no_interpreter):
@@ -172,6 +220,36 @@ def test_modules_wrap_the_ops(seed):
     assert LayerNorm(16, bias=False).bias is None and LayerNorm(16, elementwise_affine=False).weight is None
 
 
+def test_modules_take_numpy_scalar_eps_as_python_floats(seed):
+    x = testing.randn(4, 16, seed=seed)
+    m = RMSNorm(16, eps=np.float32(NUMPY_EPS), offset=np.float64(1.0))
+    ln = LayerNorm(16, eps=np.float32(NUMPY_EPS))
+    assert type(m.eps) is float and type(m.offset) is float and type(ln.eps) is float
+    assert m.eps == NUMPY_EPS and m.offset == 1.0 and ln.eps == NUMPY_EPS
+    with torch.no_grad():
+        m.weight.copy_(testing.randn(16, seed=seed + 1))
+        ln.weight.copy_(testing.randn(16, seed=seed + 2))
+        ln.bias.copy_(testing.randn(16, seed=seed + 3))
+    w, b = m.weight.detach(), ln.bias.detach()
+    testing.assert_close_to_reference(m(x), reference.rms_norm(x, w, NUMPY_EPS, offset=1.0),
+                                      torch.nn.functional.rms_norm(x, (16,), eps=NUMPY_EPS) * (1.0 + w))
+    testing.assert_close_to_reference(ln(x), reference.layer_norm(x, ln.weight.detach(), b, NUMPY_EPS),
+                                      torch.nn.functional.layer_norm(x, (16,), ln.weight.detach(), b, NUMPY_EPS))
+    # checked at construction, not at the first forward
+    with pytest.raises(TypeError, match="RMSNorm: eps must be a float"):
+        RMSNorm(16, eps=True)
+    with pytest.raises(ValueError, match="LayerNorm: eps must be a float32 normal"):
+        LayerNorm(16, eps=np.float64(1e-50))
+
+
+def test_modules_with_numpy_scalar_eps_compile_without_graph_break(no_interpreter, seed):
+    # the modules hold Python floats: dynamo traces a NumPy scalar as a 0-d ndarray, which the ops refuse
+    x = testing.randn(4, 32, seed=seed)
+    for m in (RMSNorm(32, eps=np.float32(NUMPY_EPS)), LayerNorm(32, eps=np.float32(NUMPY_EPS))):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x))
+
+
 class LlamaRMSNorm(nn.Module):
     """Hugging Face's LlamaRMSNorm, verbatim in behaviour (transformers need not be installed)."""
 
@@ -217,6 +295,32 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
         # float32 on both sides; only the norms' summation order differs (docs/correctness.md, norms)
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
     assert patch_hf(model) == 0  # nothing left to swap
+
+
+def test_patch_hf_converts_numpy_scalar_eps(seed):
+    """Norms built from a config that holds eps as np.float32 (nn.LayerNorm keeps it as given):
+    swapped, with a Python float eps, and the same outputs."""
+    model = nn.Sequential(LlamaRMSNorm(24, eps=np.float32(NUMPY_EPS)), nn.Linear(24, 24),
+                          nn.LayerNorm(24, eps=np.float32(NUMPY_EPS)), GemmaRMSNorm(24, eps=np.float64(NUMPY_EPS)))
+    torch.manual_seed(seed % 2**31)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    x = testing.randn(7, 24, seed=seed)
+    with torch.no_grad():
+        expected = model(x)
+    assert patch_hf(model) == 3
+    for i in (0, 2, 3):
+        assert type(model[i]) in (RMSNorm, LayerNorm) and type(model[i].eps) is float and model[i].eps == NUMPY_EPS
+    with torch.no_grad():
+        # float32 on both sides; only the norms' summation order differs (docs/correctness.md, norms)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_hf_refuses_an_eps_the_kernels_cannot_take_before_replacing_anything():
+    model = nn.Sequential(nn.LayerNorm(8), LlamaRMSNorm(8, eps=np.float32(0.0)))
+    with pytest.raises(ValueError, match="eps must be a float32 normal"):
+        patch_hf(model)
+    assert type(model[0]) is nn.LayerNorm and type(model[1]) is LlamaRMSNorm
 
 
 def test_patch_hf_replaces_a_norm_under_every_name_and_keeps_eval_mode():

@@ -30,7 +30,13 @@ class Linear(nn.Linear):
 
 class QuantizedLinear(nn.Module):
     """A linear layer with a weight-only quantized weight (int8 or int4, see `quantize_weight`);
-    activations stay float16 / bfloat16 and the weight is dequantized inside the GEMM."""
+    activations stay float16 / bfloat16 and the weight is dequantized inside the GEMM.
+
+    Module dtype casts (`.half()`, `.float()`, `.bfloat16()`, `.to(dtype)`, also through a parent
+    module) leave its tensors' dtypes alone and apply only their device part: codes, scales and
+    zero points are one quantized format (the scales stored rounded up in the original weight's
+    dtype, the codes computed from them), and the bias is added in float32 whatever its dtype.
+    """
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -47,6 +53,17 @@ class QuantizedLinear(nn.Module):
     ) -> QuantizedLinear:
         """Quantize `linear.weight` (see `quantize_weight` for bits / group_size / symmetric)."""
         return cls(quantize_weight(linear.weight, bits, group_size, symmetric), linear.bias)
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module's casts convert every floating tensor: bfloat16 re-rounded float16 scales
+        # (other weights than the codes were computed for, a scale rounded down may push a code
+        # past its range) and float64 ones, with a float64 bias, left a layer quantized_matmul
+        # refuses. A result of another dtype is replaced by the original moved to its device.
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.detach().to(out.device)
+
+        return super()._apply(keep_dtype, recurse)
 
     @property
     def qweight(self) -> QuantizedWeight:

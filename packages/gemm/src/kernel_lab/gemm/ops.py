@@ -817,7 +817,8 @@ class QuantizedWeight:
 
     qdata: (N, K) int8 / uint8 codes, or (N, K // 2) uint8 for int4 (two codes per byte);
     scales: (N, K // group_size) in the original dtype; zeros: (N, K // group_size) uint8 or None
-    (symmetric); bits: 8 or 4; group_size: columns per scale (K for per-channel).
+    (symmetric); bits: 8 or 4; group_size: columns per scale (K for per-channel: one group per
+    row, also at K = 0, where group_size is 0 and scales / zeros are (N, 1)).
     """
 
     qdata: torch.Tensor
@@ -836,7 +837,9 @@ class QuantizedWeight:
             raise ValueError(f"{op}: bits must be 4 or 8, got {self.bits!r}")
         n, k = self.shape
         g = self.group_size
-        if not isinstance(g, int) or g <= 0 or k % g or (g != k and g % 32):
+        # per channel (g == K) is one group per row for every K, 0 included (no K // 0)
+        per_channel = isinstance(g, int) and g == k
+        if not per_channel and (not isinstance(g, int) or g <= 0 or k % g or g % 32):
             raise ValueError(f"{op}: group_size must divide K = {k} and be K (per channel) or a multiple of 32, "
                              f"got {g!r}")
         if self.bits == 4 and k % 2:
@@ -847,7 +850,7 @@ class QuantizedWeight:
             raise ValueError(f"{op}: qdata must be {code_dtype} of shape {codes} for {self.bits}-bit codes of an "
                              f"{(n, k)} weight ({'symmetric' if self.zeros is None else 'with zero points'}), got "
                              f"{self.qdata.dtype} {tuple(self.qdata.shape)}")
-        groups = (n, k // g)
+        groups = (n, 1 if per_channel else k // g)
         if tuple(self.scales.shape) != groups or not self.scales.is_floating_point():
             raise ValueError(f"{op}: scales must be floating point of shape {groups} (N, K // group_size), got "
                              f"{self.scales.dtype} {tuple(self.scales.shape)}")
@@ -873,8 +876,8 @@ class QuantizedWeight:
     @property
     def compression(self) -> float:
         """dense_nbytes / nbytes: the memory saving, scales and zero points included (1.0 for an
-        empty weight)."""
-        return self.dense_nbytes / self.nbytes if self.nbytes else 1.0
+        empty weight, K = 0 with per-channel scales included)."""
+        return self.dense_nbytes / self.nbytes if self.dense_nbytes else 1.0
 
     def dequantize(self) -> torch.Tensor:
         """The (N, K) weight these codes stand for, in the original dtype (saturated to its finite
@@ -898,6 +901,14 @@ def _stored_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     stored = scales.clamp_min(torch.tensor(1, dtype=as_int).view(dtype).item()).to(dtype)
     # positive floats order as their bit patterns: +1 is the next representable value up
     return torch.where(stored.float() < scales, (stored.view(as_int) + 1).view(dtype), stored)
+
+
+def _code_reach(scales: torch.Tensor) -> torch.Tensor:
+    """The largest |code - zero| whose product with the group's scale stays within float32's max
+    (float64, per group). It binds only for groups reaching float32's max: a rounded-up scale (or
+    a rounded zero point) can put the extreme code's value past 3.4e38, where dequantization's
+    float32 product is inf; the code below it is within one step of every finite weight."""
+    return torch.floor(FLOAT32_MAX / scales.double())
 
 
 # Columns past K that a masked K tile still addresses (the largest BLOCK_K, with margin).
@@ -925,7 +936,15 @@ def quantize_weight(
     (widened to contain 0) mapped onto [0, 255] (or [0, 15]) and a uint8 zero point per group.
     Round-to-nearest. The scales are stored in w's dtype, rounded up (`_stored_scales`), and the
     codes computed from the stored scales, so a weight of the form code * scale (with exact
-    scales) round-trips exactly and no code is clamped by the scale's rounding.
+    scales) round-trips exactly and no code is clamped by the scale's rounding. Error per weight:
+    at most half a step (scale) symmetric, one step asymmetric (the zero point is rounded too) or
+    within a step of float32's max, for every finite weight: an asymmetric group's range (up to
+    twice float32's max) is taken in float64, and the codes are kept where (code - zero) * scale,
+    the float32 product of dequantization, stays finite (`_code_reach`).
+
+    K = 0 (an nn.Linear(0, N)): no codes; per channel, group_size 0 and one scale (and zero point)
+    per row, those of an all-zero row; group-wise, (N, 0) scales. quantized_matmul then gives the
+    bias (zeros without one).
 
     Raises TypeError for non-float weights, ValueError for bits not in (4, 8), a group_size that
     does not divide K or is not a multiple of 32, an odd K for int4, or a NaN / inf weight (it
@@ -946,22 +965,32 @@ def quantize_weight(
         raise ValueError(f"{op}: group_size {group_size} must divide K = {k} (K % group_size = {k % group_size})")
     if bits == 4 and k % 2:
         raise ValueError(f"{op}: int4 packs two columns per byte and needs an even K, got K = {k}")
-    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    groups = 1 if group_size == k else k // group_size  # per channel at K = 0: one empty group per row
+    wg = w.detach().float().reshape(n, groups, group_size)
+    # a group's statistics (amax / amin) over its columns; an empty group (K = 0) gets those of a
+    # zero column, which changes no group (every group's range is widened to contain 0 anyway)
+    stats = wg if group_size else wg.new_zeros(n, groups, 1)
     if symmetric:
         qmax = 127 if bits == 8 else 7
-        scales = _stored_scales(wg.abs().amax(-1) / qmax, w.dtype)
-        codes = torch.round(wg / scales.float()[..., None]).clamp(-qmax, qmax).to(torch.int32)
+        scales = _stored_scales(stats.abs().amax(-1) / qmax, w.dtype)
+        reach = _code_reach(scales).clamp(max=qmax).float()[..., None]
+        codes = torch.round(wg / scales.float()[..., None]).clamp(-reach, reach).to(torch.int32)
         zeros = None
         if bits == 4:
             codes = codes + 8
     else:
         levels = (1 << bits) - 1
-        lo = wg.amin(-1).clamp(max=0.0)
-        hi = wg.amax(-1).clamp(min=0.0)
+        lo = stats.amin(-1).clamp(max=0.0).double()
+        hi = stats.amax(-1).clamp(min=0.0).double()
+        # float64: hi - lo reaches twice float32's max (an inf range gave inf scales, NaN weights)
         scales = _stored_scales((hi - lo) / levels, w.dtype)
-        s = scales.float()
+        s = scales.double()
         zeros_i = torch.round(-lo / s).clamp(0, levels)
-        codes = torch.round(wg / s[..., None] + zeros_i[..., None]).clamp(0, levels).to(torch.int32)
+        reach = _code_reach(scales)
+        code_lo = (zeros_i - reach).clamp(min=0).float()[..., None]
+        code_hi = (zeros_i + reach).clamp(max=levels).float()[..., None]
+        codes = torch.round(wg / s.float()[..., None] + zeros_i.float()[..., None])
+        codes = codes.clamp(code_lo, code_hi).to(torch.int32)
         zeros = zeros_i.to(torch.uint8)
     codes = codes.reshape(n, k)
     if bits == 8:

@@ -77,6 +77,20 @@ class GatedMLP(nn.Module):
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
 
+    @classmethod
+    def from_packed_projections(cls, gate_up_proj: nn.Linear, down_proj: nn.Linear, **kwargs) -> GatedMLP:
+        """A `fuse_gate_up=True` module that shares the given nn.Linear projections (same
+        parameters, no copy). gate_up_proj's output rows are [gate | up] (Phi-3, GLM): the packed
+        activation reads the two halves of its output in place."""
+        n = gate_up_proj.out_features
+        if n % 2 or n != 2 * down_proj.in_features or down_proj.out_features != gate_up_proj.in_features:
+            raise ValueError(f"gate_up_proj ({gate_up_proj.in_features} -> {n}) and down_proj "
+                             f"({down_proj.in_features} -> {down_proj.out_features}) are not a packed gated MLP")
+        with torch.device("meta"):
+            mlp = cls(gate_up_proj.in_features, n // 2, gate_up_proj.bias is not None, fuse_gate_up=True, **kwargs)
+        mlp.gate_up_proj, mlp.down_proj = gate_up_proj, down_proj
+        return mlp
+
 
 class SwiGLUMLP(GatedMLP):
     """The Llama / Qwen2 / Mistral MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
@@ -125,19 +139,71 @@ def _identify_activation(act_fn) -> tuple[str, str] | None:
     return None
 
 
-# What a plain gated MLP (down(act(gate(x)) * up(x)): Llama, Qwen2/3, Mistral, Gemma) holds
-# besides nn.Module's own state: anything else (FalconH1's gate/down multipliers, the clamps of
-# DeepSeek-V4 / GLM-5 (`limit`), a sub-norm or dropout module) changes its forward, which the
-# fused module would drop silently.
+# What a plain gated MLP (down(act(gate(x)) * up(x)): Llama, Qwen2/3, Mistral, Gemma; with one
+# packed gate_up_proj: Phi-3, GLM) holds besides nn.Module's own state: anything else (FalconH1's
+# gate/down multipliers, the clamps of DeepSeek-V4 / GLM-5 (`limit`), a sub-norm or dropout
+# module) changes its forward, which the fused module would drop silently.
 _PLAIN_MLP_MODULES = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_PACKED_MLP_MODULES = {"gate_up_proj", "down_proj", "act_fn", "activation_fn"}
 _PLAIN_MLP_ATTRIBUTES = {"training", "config", "hidden_size", "intermediate_size", "activation_sparsity"}
 
 
-def _plain_gated_mlp(module: nn.Module) -> bool:
-    if set(module._modules) - _PLAIN_MLP_MODULES or module._buffers:
+def _plain_gated_mlp(module: nn.Module, modules: set[str] = _PLAIN_MLP_MODULES) -> bool:
+    if set(module._modules) - modules or module._buffers:
         return False
     extra = {k for k in vars(module) if not k.startswith("_")} - _PLAIN_MLP_ATTRIBUTES
     return not extra
+
+
+def _packed_order_is_gate_up(module: nn.Module, gate_up: nn.Linear, down: nn.Linear, kind: tuple[str, str]) -> bool:
+    """Whether `module`'s forward computes down(act(gate) * up) from gate_up's output split
+    [gate | up] (Phi-3, GLM), checked on two random rows: Phi-4-multimodal's audio MLP, for one,
+    splits it [up | gate]. False when the forward cannot run on real data (meta weights)."""
+    w = gate_up.weight
+    if w.is_meta or down.weight.is_meta:
+        return False
+    probe = torch.randn(2, gate_up.in_features, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(device=w.device, dtype=w.dtype)
+    activation, approximate = kind
+    try:
+        with torch.no_grad():
+            got = module(probe)
+            gate, up = gate_up(probe).float().chunk(2, dim=-1)
+            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)
+            want = F.linear(act * up, down.weight.float(), None if down.bias is None else down.bias.float())
+    except Exception:  # a forward we cannot run is one we do not replace
+        return False
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    # the other order is off by the size of the output itself; 5% of it covers bf16 rounding
+    return bool((got.float() - want).abs().max() <= 0.05 * want.abs().max())
+
+
+def _gated_mlp_layout(module: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[str, str]] | None:
+    """(projections, (activation, approximate)) of a plain gated MLP `patch_hf` replaces:
+    projections (gate_proj, up_proj, down_proj), or (gate_up_proj, down_proj) for the packed
+    layout; None for any other module."""
+    if getattr(module, "activation_sparsity", 0.0):
+        return None  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
+    split = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+    if all(isinstance(p, nn.Linear) for p in split) and hasattr(module, "act_fn"):
+        if not _plain_gated_mlp(module):
+            return None
+        kind = _identify_activation(module.act_fn)
+        return None if kind is None else (tuple(split), kind)
+    packed = [getattr(module, p, None) for p in ("gate_up_proj", "down_proj")]
+    acts = [a for a in ("act_fn", "activation_fn") if hasattr(module, a)]
+    if not all(isinstance(p, nn.Linear) for p in packed) or len(acts) != 1:
+        return None
+    gate_up, down = packed
+    if gate_up.out_features != 2 * down.in_features or down.out_features != gate_up.in_features:
+        return None
+    if not _plain_gated_mlp(module, _PACKED_MLP_MODULES):
+        return None
+    kind = _identify_activation(getattr(module, acts[0]))
+    if kind is None or not _packed_order_is_gate_up(module, gate_up, down, kind):
+        return None
+    return tuple(packed), kind
 
 
 def patch_hf(model: nn.Module) -> int:
@@ -150,32 +216,34 @@ def patch_hf(model: nn.Module) -> int:
     the forward; such modules are left alone). The new module
     adopts the same nn.Linear objects, so weights, dtype, device and parameter identity
     (optimizer state) are kept. Returns the number of modules replaced.
+
+    The packed layout (Phi-3, GLM, GLM-4: one nn.Linear `gate_up_proj` whose output is [gate | up],
+    then `down_proj`, with `act_fn` or `activation_fn`) is replaced by a `fuse_gate_up=True`
+    module adopting those two nn.Linear objects (state dict keys unchanged). Its split order is
+    checked by running the module's forward once on two random rows (`_packed_order_is_gate_up`),
+    so a packed MLP with meta weights, or one whose forward is not down(act(gate) * up), is left
+    alone.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_hf: model must be an nn.Module, got {type(model).__name__}")
-    targets = []
+    targets, layouts = [], {}
     for parent in model.modules():
         for name, child in parent._modules.items():  # every name, a module under two included
-            if isinstance(child, GatedMLP):
+            if child is None or isinstance(child, GatedMLP):
                 continue
-            projections = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-            if not all(isinstance(p, nn.Linear) for p in projections) or not hasattr(child, "act_fn"):
-                continue
-            if getattr(child, "activation_sparsity", 0.0):
-                continue  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
-            if not _plain_gated_mlp(child):
-                continue
-            kind = _identify_activation(child.act_fn)
-            if kind is not None:
-                targets.append((parent, name, child, projections, kind))
+            if id(child) not in layouts:  # a shared module is examined (and probed) once
+                layouts[id(child)] = _gated_mlp_layout(child)
+            if layouts[id(child)] is not None:
+                targets.append((parent, name, child, *layouts[id(child)]))
     replaced: dict[int, nn.Module] = {}  # a module shared by several parents: one replacement
-    for parent, name, child, (gate, up, down), (activation, approximate) in targets:
+    for parent, name, child, projections, (activation, approximate) in targets:
         new = replaced.get(id(child))
         if new is None:
-            if activation == "silu":
-                new = SwiGLUMLP.from_projections(gate, up, down)
+            cls, kw = (SwiGLUMLP, {}) if activation == "silu" else (GeGLUMLP, {"approximate": approximate})
+            if len(projections) == 3:
+                new = cls.from_projections(*projections, **kw)
             else:
-                new = GeGLUMLP.from_projections(gate, up, down, approximate=approximate)
+                new = cls.from_packed_projections(*projections, **kw)
             new.train(parent.training)
             replaced[id(child)] = new
         setattr(parent, name, new)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import layer_norm, rms_norm
+from .ops import check_eps_offset, layer_norm, rms_norm
 
 # Hugging Face RMSNorm classes `patch_hf` replaces, by class name, with their weight offset:
 # Gemma stores w - 1 and multiplies by (1 + w).
@@ -28,7 +28,9 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) * (offset + weight).
 
     weight: (hidden_size,), initialised so that y = x / rms(x) (ones, or zeros when offset is
-    1.0, the Gemma convention). See `kernel_lab.norms.rms_norm` for dtypes and layouts.
+    1.0, the Gemma convention). See `kernel_lab.norms.rms_norm` for dtypes and layouts. eps and
+    offset are checked here and kept as Python floats (NumPy scalars, as some Hugging Face
+    configs hold, are converted).
     """
 
     def __init__(
@@ -41,7 +43,8 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.hidden_size, self.eps, self.offset = hidden_size, eps, offset
+        eps, offset = check_eps_offset(type(self).__name__, eps, offset)
+        self.hidden_size, self.eps, self.offset = hidden_size, float(eps), float(offset)
         init = torch.zeros if offset == 1.0 else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
 
@@ -54,7 +57,8 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim, a drop-in for `torch.nn.LayerNorm(hidden_size)`:
-    y = (x - mean) / sqrt(var + eps) * weight + bias. See `kernel_lab.norms.layer_norm`."""
+    y = (x - mean) / sqrt(var + eps) * weight + bias. See `kernel_lab.norms.layer_norm`. eps as
+    `RMSNorm`'s: checked here, kept as a Python float."""
 
     def __init__(
         self,
@@ -67,7 +71,7 @@ class LayerNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
+        self.hidden_size, self.eps = hidden_size, float(check_eps_offset(type(self).__name__, eps)[0])
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.ones(hidden_size, **kw)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(hidden_size, **kw)) if elementwise_affine and bias else None
@@ -87,7 +91,8 @@ def _replacement(module: nn.Module) -> nn.Module | None:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if not isinstance(weight, nn.Parameter) or weight.ndim != 1 or eps is None:
             return None
-        new = RMSNorm(weight.shape[0], float(eps), HF_RMS_NORM_OFFSETS[name], device="meta")
+        # eps as the module holds it (a NumPy scalar from some configs): RMSNorm checks and converts
+        new = RMSNorm(weight.shape[0], eps, HF_RMS_NORM_OFFSETS[name], device="meta")
         new.weight = weight  # the same Parameter: tying, device, dtype and optimizer state kept
         return new
     # nn.LayerNorm itself, not subclasses: those compute something else (Nemotron's weight + 1,
@@ -110,6 +115,10 @@ def patch_hf(model: nn.Module) -> int:
     value to the input dtype before multiplying by the weight (and returns the promoted dtype
     when the weight is float32 and the input is not); ours applies the weight in float32 and
     rounds once, to the input dtype.
+
+    A norm's eps may be a Python or NumPy real scalar (it is stored as a Python float); one that
+    the kernels cannot take (not a float32 normal, a bool, a string) raises TypeError / ValueError
+    before anything is replaced.
     """
     swaps, replaced = [], {}  # a module shared by several parents gets one replacement, counted once
     for _, parent in model.named_modules():

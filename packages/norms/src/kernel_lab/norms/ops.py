@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -752,20 +753,40 @@ def _check(
             raise TypeError(f"{name}: {arg}.dtype must equal x.dtype ({x.dtype}), got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name}: {arg} is on {t.device} but x is on {x.device}")
-    for arg, v in (("eps", eps), ("offset", offset)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name}: {arg} must be a float, got {type(v).__name__}")
-        # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
-        # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
-        if not -math.inf < v < math.inf:
-            raise ValueError(f"{name}: {arg} must be finite, got {v}")
+    eps, offset = check_eps_offset(name, eps, offset)
+    runtime.check_backend(name, backend, x, "x")
+    return float(eps), float(offset)
+
+
+def _real_scalar(name: str, arg: str, v):
+    """v if it is a Python int or float (not a bool), a NumPy real scalar (np.float32, np.int64, ...:
+    Hugging Face configs hold such values) as a Python float; TypeError for anything else, tensors
+    included (a 0-d tensor would cost a device sync, and under torch.compile a graph break)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        # numbers.Real: NumPy registers its floating and integer scalars there (np.bool_ is not)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            hint = " (pass float(t) for a 0-d tensor)" if isinstance(v, torch.Tensor) else ""
+            raise TypeError(f"{name}: {arg} must be a float (a Python or NumPy real scalar), "
+                            f"got {type(v).__name__}{hint}")
+        v = float(v)
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is
+    # symbolic, and dynamo cannot put isfinite's Python bool in a graph (it traces comparisons)
+    if not -math.inf < v < math.inf:
+        raise ValueError(f"{name}: {arg} must be finite, got {v}")
+    return v
+
+
+def check_eps_offset(name: str, eps, offset=0.0) -> tuple:
+    """(eps, offset) checked: real scalars (`_real_scalar`), finite, eps a float32 normal. NumPy
+    scalars other than np.float64 (a float subclass) come back as Python floats, Python ints and
+    floats as given (symbolic under torch.compile(dynamic=True)): callers convert with float()."""
+    eps, offset = _real_scalar(name, "eps", eps), _real_scalar(name, "offset", offset)
     # at least float32's smallest normal: the kernels take eps as float32, where a smaller value
     # is 0 (or a denormal that may be flushed), and an all-zero row's rstd would be 1 / 0
     if not FLOAT32_TINY <= eps <= FLOAT32_MAX:
         raise ValueError(f"{name}: eps must be a float32 normal, in [{FLOAT32_TINY}, {FLOAT32_MAX}] (it keeps "
                          f"1/sqrt(. + eps) finite and non-zero), got {eps}")
-    runtime.check_backend(name, backend, x, "x")
-    return float(eps), float(offset)
+    return eps, offset
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -811,6 +832,9 @@ def rms_norm(
 
     backend: None picks by device (`kernel_lab.shared.runtime.backend`); "triton" insists on
     the Triton kernel; "reference" runs the PyTorch reference (float32, differentiable).
+
+    eps, offset: Python floats or ints, or NumPy real scalars (np.float32 / np.float64, as some
+    Hugging Face configs hold), converted to a Python float; not bools, strings or tensors.
 
     Raises TypeError for non-float tensors or non-numeric eps/offset, ValueError for a weight
     whose shape is not (hidden,), mismatched devices, eps <= 0, or an unusable backend.
