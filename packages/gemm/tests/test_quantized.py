@@ -210,6 +210,32 @@ def test_patch_hf_replaces_a_shared_linear_once_under_every_name():
     assert isinstance(inner.q, QuantizedLinear) and inner.q is inner.k is model[0][0]
 
 
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+@pytest.mark.parametrize("bits", [None, 8])
+def test_patch_hf_after_mlp_patch_hf_replaces_the_gated_mlp_projections(kernel_device, seed, bits, fuse_gate_up):
+    """kernel_lab.mlp's GatedMLP (what mlp.patch_hf swaps in) holds nn.Linear projections under
+    the Hugging Face names (gate_proj / up_proj / down_proj, or one packed gate_up_proj): patch_hf
+    replaces them there, same names and keys, and the module's output keeps the tolerance rule
+    against the float64 gated MLP of the weights it uses (the other order: mlp's tests)."""
+    mlp = pytest.importorskip("kernel_lab.mlp", reason="kernel_lab.mlp is not installed")
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"mlp": mlp.SwiGLUMLP(64, 96, fuse_gate_up=fuse_gate_up)}).to(kernel_device, torch.float16)
+    names = [name for name, _ in model.mlp.named_children()]
+    assert patch_hf(model, bits=bits, group_size=32) == len(names)
+    cls = Linear if bits is None else QuantizedLinear
+    assert [name for name, _ in model.mlp.named_children()] == names
+    assert all(isinstance(m, cls) for m in model.mlp.children())
+    weights = {n: m.weight if bits is None else m.qweight.dequantize() for n, m in model.mlp.named_children()}
+    w_gate, w_up = weights["gate_up_proj"].chunk(2) if fuse_gate_up else (weights["gate_proj"], weights["up_proj"])
+    x = testing.randn(3, 5, 64, dtype=torch.float16, device=kernel_device, seed=seed)
+    with torch.no_grad():
+        out = model.mlp(x)
+        baseline = nn.functional.linear(nn.functional.silu(x @ w_gate.t()) * (x @ w_up.t()), weights["down_proj"])
+    ref = reference.gated_mlp(x, w_gate, w_up, weights["down_proj"], "silu")
+    testing.assert_close_to_reference(out, ref, baseline, factor=FACTOR, name="patched GatedMLP")
+
 # --- gpu tier ----------------------------------------------------------------------------------
 
 

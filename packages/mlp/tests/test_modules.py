@@ -1,5 +1,7 @@
 """SwiGLUMLP / GeGLUMLP against the gated-MLP reference, and patch_hf on small HF models."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,3 +251,93 @@ def test_patch_hf_on_small_transformers_model_keeps_logits(seed, family):
     assert all(isinstance(layer.mlp, expected) for layer in model.model.layers)
     # float32 end to end; the fused activation rounds once where torch rounds twice
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+
+
+class _LinearLike(nn.Module):
+    """A linear projection that is no nn.Linear and has no `weight` (as kernel_lab.gemm's
+    QuantizedLinear, which keeps codes and scales): in_features, out_features, a bias, and a
+    transposed weight buffer."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_t", linear.weight.detach().t().clone())
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def test_patch_hf_adopts_linear_like_projections(seed):
+    """Projections that are not nn.Linear but have its interface (in_features, out_features,
+    bias: `_is_linear_like`) are adopted as they are, in the split and the packed layout (whose
+    split order is probed through the projections' own forward); a projection without that
+    interface (an nn.Sequential around an nn.Linear) leaves its MLP alone."""
+    split, wrapped = _ToyHFMLP(nn.SiLU()), _ToyHFMLP(nn.SiLU())
+    packed = _ToyPackedHFMLP(nn.GELU(approximate="tanh"), bias=True)
+    model = nn.ModuleList([split, packed, wrapped])
+    _init_(model, seed)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(split, name, _LinearLike(getattr(split, name)))
+    packed.gate_up_proj, packed.down_proj = _LinearLike(packed.gate_up_proj), _LinearLike(packed.down_proj)
+    wrapped.down_proj = nn.Sequential(wrapped.down_proj)
+    projections = [split.gate_proj, split.up_proj, split.down_proj, packed.gate_up_proj, packed.down_proj]
+    keys = set(model.state_dict())
+    x = randn(3, 5, 16, seed=seed + 1)
+    with torch.no_grad():
+        before = [m(x) for m in model]
+    assert mlp.patch_hf(model) == 2  # 0 before: only nn.Linear projections were recognised
+    assert isinstance(model[0], mlp.SwiGLUMLP) and not model[0].fuse_gate_up
+    assert isinstance(model[1], mlp.GeGLUMLP) and model[1].fuse_gate_up and model[1].approximate == "tanh"
+    assert model[2] is wrapped
+    adopted = [model[0].gate_proj, model[0].up_proj, model[0].down_proj, model[1].gate_up_proj, model[1].down_proj]
+    assert all(a is p for a, p in zip(adopted, projections, strict=True))
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        for m, b in zip(model, before, strict=True):
+            torch.testing.assert_close(m(x), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("order", ["gemm_then_mlp", "mlp_then_gemm"])
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_patch_hf_combines_with_gemm_patch_hf_in_either_order(seed, family, order, bits):
+    """kernel_lab.gemm's patch_hf (nn.Linear -> gemm.Linear, or QuantizedLinear with bits) before
+    or after this one: every MLP is swapped (gemm first with bits=8 swapped none, silently: its
+    QuantizedLinear projections are no nn.Linear), every linear but lm_head is gemm's, the state
+    dict keys are those of the gemm-only model, and the float16 logits keep gemm's tolerance rule
+    (factor 2) against the float64 model of the same (dequantized) weights."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    gemm = pytest.importorskip("kernel_lab.gemm", reason="kernel_lab.gemm is not installed")
+    cfg_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")
+    }[family]
+    config = getattr(transformers, cfg_cls)(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(seed % 2**31)
+    model = getattr(transformers, model_cls)(config).eval().to(torch.float16)
+    dense = copy.deepcopy(model)
+    n_linear = sum(type(m) is nn.Linear for name, m in model.named_modules() if "lm_head" not in name)
+    gemm_only = copy.deepcopy(model)
+    assert gemm.patch_hf(gemm_only, bits=bits, group_size=32) == n_linear
+    steps = {"gemm": lambda: gemm.patch_hf(model, bits=bits, group_size=32), "mlp": lambda: mlp.patch_hf(model)}
+    counts = {step: steps[step]() for step in order.split("_then_")}
+    assert counts == {"gemm": n_linear, "mlp": 2}
+    proj_cls = gemm.Linear if bits is None else gemm.QuantizedLinear
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp, mlp.SwiGLUMLP) and layer.mlp.fuse_gate_up == (family == "phi3")
+        assert all(isinstance(p, proj_cls) for p in layer.mlp.children())
+    assert set(model.state_dict()) == set(gemm_only.state_dict())
+    assert mlp.patch_hf(model) == 0 and gemm.patch_hf(model, bits=bits) == 0  # idempotent, either way
+    with torch.no_grad():  # the reference model: the unpatched one with the weights the patched one uses
+        for name, m in model.named_modules():
+            if isinstance(m, gemm.QuantizedLinear):
+                dense.get_submodule(name).weight.copy_(m.qweight.dequantize())
+        ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(seed))
+        ref = copy.deepcopy(dense).double()(ids).logits
+        baseline, out = dense(ids).logits, model(ids).logits
+    assert_close_to_reference(out, ref, baseline, factor=2.0, name=f"{family} {order} bits={bits} logits")

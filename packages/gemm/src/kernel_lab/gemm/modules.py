@@ -127,7 +127,14 @@ def patch_hf(
     """Replace the float16 / bfloat16 nn.Linear layers of a (Hugging Face) model in place: with
     `Linear` (bits=None) or with `QuantizedLinear` (bits=8 or 4, weight-only). Layers whose
     qualified name contains one of `skip` are left alone. A layer reachable under several names
-    (shared or tied) gets one replacement, under every name. Returns how many were replaced."""
+    (shared or tied) gets one replacement, under every name. Returns how many were replaced.
+
+    With kernel_lab.mlp's `patch_hf` (fused gated MLPs), either order works: run after it, this
+    replaces the nn.Linear projections its GatedMLP modules hold under the Hugging Face names
+    (gate_proj / up_proj / down_proj, or the packed gate_up_proj); run before it, mlp.patch_hf
+    (kernel-lab-mlp 0.1.13 on; earlier ones left MLPs with QuantizedLinear projections alone,
+    silently) adopts `Linear` and `QuantizedLinear` projections as they are. Same modules and
+    state dict keys either way."""
     # checked before any layer is replaced: a bad value raised from quantize_weight midway left the
     # model half patched
     if bits not in (None, 4, 8):

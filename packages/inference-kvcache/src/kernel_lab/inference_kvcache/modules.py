@@ -19,10 +19,38 @@ from .ops import FP8_DTYPE, QUERY_DTYPES, DecodeCache, _check_query, decode_chec
 
 CACHE_DTYPES = (*QUERY_DTYPES, FP8_DTYPE)
 IndexLike = Sequence[int] | torch.Tensor | None
+_EXACT_INT = frozenset((int,))
 # Device seq_ids tensors a cache keeps per distinct seq_ids list (oldest dropped first): every
 # layer of a decode step passes the same list, and a fresh host->device copy of pageable
 # memory synchronizes the stream.
 SEQ_IDS_MEMO_SIZE = 64
+# Tensor dtypes accepted for seq_ids / num_new (bool is not an integer here: True would be 1).
+_INT_DTYPES = frozenset(
+    getattr(torch, n) for n in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if hasattr(torch, n)
+)
+
+
+def _index(x) -> int:
+    """x as a Python int: an int, a NumPy integer or a one-element integer tensor.
+
+    TypeError for a bool (operator.index(True) is 1, and of a bool tensor too) and for anything
+    that is not an integer (a float, even 1.0: int(0.7) would silently pick sequence 0).
+    """
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise TypeError(f"expected an int, got {x!r}")
+    return operator.index(x)
+
+
+def _seq_id_arg(seq_id, rows: int) -> int:
+    """A scalar seq_id argument as a Python int in [0, rows), else ValueError."""
+    try:
+        s = _index(seq_id)
+    except TypeError:
+        s = None
+    if s is None or not 0 <= s < rows:
+        raise ValueError(f"seq_id must be an int in [0, {rows}), got {seq_id!r}")
+    return s
 
 
 def _host_ints(name: str, x: IndexLike, n: int | None = None) -> list[int] | None:
@@ -30,14 +58,14 @@ def _host_ints(name: str, x: IndexLike, n: int | None = None) -> list[int] | Non
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+        if x.dim() != 1 or x.dtype not in _INT_DTYPES:
             raise TypeError(
                 f"{name} must be a 1-D integer tensor or a sequence of ints, got {x.dtype} {tuple(x.shape)}"
             )
         out = x.tolist()
     else:
-        try:  # ints only: int(0.7) would silently pick sequence 0
-            out = [operator.index(i) for i in x]
+        try:  # ints only, not bools or floats (see _index)
+            out = [_index(i) for i in x]
         except TypeError:
             raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {x!r}") from None
     if n is not None and len(out) != n:
@@ -105,7 +133,7 @@ class _CacheBase:
         return self.dtype == FP8_DTYPE
 
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     def lengths(self, layer: int) -> torch.Tensor:
@@ -116,10 +144,7 @@ class _CacheBase:
     def seq_len(self, layer: int, seq_id: int) -> int:
         """Tokens cached for sequence `seq_id` at `layer` (host value, no synchronization)."""
         self._check_layer(layer)
-        rows = len(self._host_lengths[layer])
-        if not isinstance(seq_id, int) or not 0 <= seq_id < rows:
-            raise ValueError(f"seq_id must be an int in [0, {rows}), got {seq_id!r}")
-        return self._host_lengths[layer][seq_id]
+        return self._host_lengths[layer][_seq_id_arg(seq_id, len(self._host_lengths[layer]))]
 
     def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Fix the per-kv-head dequantization scales (H_kv,) of an fp8 cache's `layer`.
@@ -261,7 +286,11 @@ class _CacheBase:
         memo = self._seq_ids_memo
         compiling = torch.compiler.is_compiling()
         if isinstance(seq_ids, (list, tuple)) and not compiling:
-            hit = memo.get(tuple(seq_ids))
+            key = tuple(seq_ids)
+            # Exact ints only: 1.0, True or np.float64(1) hash and compare equal to 1, so they
+            # would find the entry of [1] and pass where a first call refuses them (and an
+            # unhashable entry would raise from the lookup, not from the check).
+            hit = memo.get(key) if set(map(type, key)) <= _EXACT_INT else None
             if hit is not None and len(hit[0]) == bsz:
                 rows, seq_t, epoch = hit
                 if epoch != self._epoch:
@@ -271,7 +300,8 @@ class _CacheBase:
         rows = _host_ints("seq_ids", seq_ids, bsz)
         self._check_rows(rows)
         if isinstance(seq_ids, torch.Tensor) and seq_ids.device == self.device:
-            return rows, seq_ids
+            # any integer dtype (flash_decode reads int32 or int64): converted on the device
+            return rows, seq_ids if seq_ids.dtype in (torch.int32, torch.int64) else seq_ids.to(torch.int32)
         return rows, self._seq_ids_tensor(rows)
 
     def _seq_ids_tensor(self, rows: list[int]) -> torch.Tensor:
@@ -411,6 +441,7 @@ class PagedKVCache(_CacheBase):
 
     def owned_blocks(self, seq_id: int) -> list[int]:
         """The block ids of live sequence `seq_id`, in token order (a copy)."""
+        seq_id = _seq_id_arg(seq_id, self.max_seqs)
         self._check_live(seq_id)
         return list(self._owned[seq_id])
 
@@ -426,8 +457,7 @@ class PagedKVCache(_CacheBase):
 
     def allocate(self, seq_id: int, num_tokens: int = 0) -> None:
         """Start sequence `seq_id` (an int in [0, max_seqs)) with room for `num_tokens` tokens."""
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or not 0 <= seq_id < self.max_seqs:
-            raise ValueError(f"seq_id must be an int in [0, {self.max_seqs}), got {seq_id!r}")
+        seq_id = _seq_id_arg(seq_id, self.max_seqs)
         if seq_id in self._owned:
             raise ValueError(f"sequence {seq_id} is already allocated")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -445,6 +475,7 @@ class PagedKVCache(_CacheBase):
 
     def free(self, seq_id: int) -> None:
         """End sequence `seq_id`: its blocks go back to the free list, its lengths to 0."""
+        seq_id = _seq_id_arg(seq_id, self.max_seqs)  # before any change: free(0.0) freed 0, then raised
         self._check_live(seq_id)
         self._free.extend(reversed(self._owned.pop(seq_id)))
         self._epoch += 1

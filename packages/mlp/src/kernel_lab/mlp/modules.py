@@ -1,8 +1,10 @@
 """nn.Module drop-ins for gated MLP blocks, and `patch_hf` to swap them into HF models.
 
-The modules hold plain nn.Linear projections with the Hugging Face attribute names
+The modules hold nn.Linear projections with the Hugging Face attribute names
 (gate_proj, up_proj, down_proj), so state dicts load unchanged; only the activation between
-the projections is the fused kernel. With `fuse_gate_up=True` the gate and up projections are
+the projections is the fused kernel. A projection may also be any linear-like module (see
+`_is_linear_like`: e.g. kernel_lab.gemm's `QuantizedLinear`, in either patch order), which the
+module calls as it is. With `fuse_gate_up=True` the gate and up projections are
 one (2 * intermediate, hidden) nn.Linear `gate_up_proj` whose output rows are [gate | up]: one
 GEMM instead of two, and the packed activation (`silu_and_mul` / `gelu_and_mul`) reads its
 output in place.
@@ -17,6 +19,23 @@ from torch import nn
 from .ops import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __all__ = ["GatedMLP", "GeGLUMLP", "SwiGLUMLP", "patch_hf"]
+
+
+def _is_linear_like(module: object) -> bool:
+    """Whether `module` can serve as a gated MLP projection: an nn.Linear (subclasses included),
+    or any other nn.Module with int `in_features` and `out_features` whose `bias`, if it has
+    one, is None or a tensor, and whose forward maps (..., in_features) to (..., out_features)
+    as x @ W^T + b does. Duck typed, so that the linears of other packages (kernel_lab.gemm's
+    `QuantizedLinear`, which keeps int8 / int4 codes instead of a `weight`) are adopted without
+    this package importing them."""
+    if isinstance(module, nn.Linear):
+        return True
+    if not isinstance(module, nn.Module):
+        return False
+    sizes = [getattr(module, a, None) for a in ("in_features", "out_features")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        return False
+    return isinstance(getattr(module, "bias", None), (torch.Tensor, type(None)))
 
 
 class GatedMLP(nn.Module):
@@ -70,24 +89,27 @@ class GatedMLP(nn.Module):
         return f"activation={act}, fuse_gate_up={self.fuse_gate_up}"
 
     @classmethod
-    def from_projections(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, **kwargs) -> GatedMLP:
-        """A module that shares the given nn.Linear projections (same parameters, no copy)."""
+    def from_projections(cls, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, **kwargs) -> GatedMLP:
+        """A module that shares the given nn.Linear (or `_is_linear_like`) projections (same
+        parameters, no copy)."""
         with torch.device("meta"):  # build empty, then adopt the caller's projections
-            mlp = cls(gate_proj.in_features, gate_proj.out_features, gate_proj.bias is not None, **kwargs)
+            bias = getattr(gate_proj, "bias", None) is not None
+            mlp = cls(gate_proj.in_features, gate_proj.out_features, bias, **kwargs)
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
 
     @classmethod
-    def from_packed_projections(cls, gate_up_proj: nn.Linear, down_proj: nn.Linear, **kwargs) -> GatedMLP:
-        """A `fuse_gate_up=True` module that shares the given nn.Linear projections (same
-        parameters, no copy). gate_up_proj's output rows are [gate | up] (Phi-3, GLM): the packed
-        activation reads the two halves of its output in place."""
+    def from_packed_projections(cls, gate_up_proj: nn.Module, down_proj: nn.Module, **kwargs) -> GatedMLP:
+        """A `fuse_gate_up=True` module that shares the given nn.Linear (or `_is_linear_like`)
+        projections (same parameters, no copy). gate_up_proj's output rows are [gate | up]
+        (Phi-3, GLM): the packed activation reads the two halves of its output in place."""
         n = gate_up_proj.out_features
         if n % 2 or n != 2 * down_proj.in_features or down_proj.out_features != gate_up_proj.in_features:
             raise ValueError(f"gate_up_proj ({gate_up_proj.in_features} -> {n}) and down_proj "
                              f"({down_proj.in_features} -> {down_proj.out_features}) are not a packed gated MLP")
         with torch.device("meta"):
-            mlp = cls(gate_up_proj.in_features, n // 2, gate_up_proj.bias is not None, fuse_gate_up=True, **kwargs)
+            bias = getattr(gate_up_proj, "bias", None) is not None
+            mlp = cls(gate_up_proj.in_features, n // 2, bias, fuse_gate_up=True, **kwargs)
         mlp.gate_up_proj, mlp.down_proj = gate_up_proj, down_proj
         return mlp
 
@@ -155,22 +177,37 @@ def _plain_gated_mlp(module: nn.Module, modules: set[str] = _PLAIN_MLP_MODULES) 
     return not extra
 
 
-def _packed_order_is_gate_up(module: nn.Module, gate_up: nn.Linear, down: nn.Linear, kind: tuple[str, str]) -> bool:
+def _probe_dtype_device(*projections: nn.Module) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of the projections' first floating tensor (an nn.Linear's weight; a
+    quantized linear's scales), the input they take; None when any tensor is on meta or none is
+    floating."""
+    tensors = [t for p in projections for t in (*p.parameters(), *p.buffers())]
+    if any(t.is_meta for t in tensors):
+        return None
+    weights = [getattr(p, "weight", None) for p in projections]
+    buffers = [t for p in projections for t in p.buffers()]  # before a bias, whose dtype may differ
+    floating = [t for t in (*weights, *buffers, *tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return (floating[0].dtype, floating[0].device) if floating else None
+
+
+def _packed_order_is_gate_up(module: nn.Module, gate_up: nn.Module, down: nn.Module, kind: tuple[str, str]) -> bool:
     """Whether `module`'s forward computes down(act(gate) * up) from gate_up's output split
     [gate | up] (Phi-3, GLM), checked on two random rows: Phi-4-multimodal's audio MLP, for one,
-    splits it [up | gate]. False when the forward cannot run on real data (meta weights)."""
-    w = gate_up.weight
-    if w.is_meta or down.weight.is_meta:
+    splits it [up | gate]. False when the forward cannot run on real data (meta weights).
+    The projections are called as modules (they may be linear-like modules without a `weight`)."""
+    like = _probe_dtype_device(gate_up, down)
+    if like is None:
         return False
+    dtype, device = like
     probe = torch.randn(2, gate_up.in_features, generator=torch.Generator().manual_seed(0))
-    probe = probe.to(device=w.device, dtype=w.dtype)
+    probe = probe.to(device=device, dtype=dtype)
     activation, approximate = kind
     try:
         with torch.no_grad():
             got = module(probe)
             gate, up = gate_up(probe).float().chunk(2, dim=-1)
             act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)
-            want = F.linear(act * up, down.weight.float(), None if down.bias is None else down.bias.float())
+            want = down((act * up).to(dtype)).float()
     except Exception:  # a forward we cannot run is one we do not replace
         return False
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
@@ -179,21 +216,21 @@ def _packed_order_is_gate_up(module: nn.Module, gate_up: nn.Linear, down: nn.Lin
     return bool((got.float() - want).abs().max() <= 0.05 * want.abs().max())
 
 
-def _gated_mlp_layout(module: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[str, str]] | None:
+def _gated_mlp_layout(module: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[str, str]] | None:
     """(projections, (activation, approximate)) of a plain gated MLP `patch_hf` replaces:
     projections (gate_proj, up_proj, down_proj), or (gate_up_proj, down_proj) for the packed
     layout; None for any other module."""
     if getattr(module, "activation_sparsity", 0.0):
         return None  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
     split = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-    if all(isinstance(p, nn.Linear) for p in split) and hasattr(module, "act_fn"):
+    if all(_is_linear_like(p) for p in split) and hasattr(module, "act_fn"):
         if not _plain_gated_mlp(module):
             return None
         kind = _identify_activation(module.act_fn)
         return None if kind is None else (tuple(split), kind)
     packed = [getattr(module, p, None) for p in ("gate_up_proj", "down_proj")]
     acts = [a for a in ("act_fn", "activation_fn") if hasattr(module, a)]
-    if not all(isinstance(p, nn.Linear) for p in packed) or len(acts) != 1:
+    if not all(_is_linear_like(p) for p in packed) or len(acts) != 1:
         return None
     gate_up, down = packed
     if gate_up.out_features != 2 * down.in_features or down.out_features != gate_up.in_features:
@@ -209,7 +246,7 @@ def _gated_mlp_layout(module: nn.Module) -> tuple[tuple[nn.Linear, ...], tuple[s
 def patch_hf(model: nn.Module) -> int:
     """Replace, in place, every gated MLP of a Hugging Face model by `SwiGLUMLP` / `GeGLUMLP`.
 
-    A module is replaced when it has nn.Linear `gate_proj`, `up_proj` and `down_proj` and an
+    A module is replaced when it has linear `gate_proj`, `up_proj` and `down_proj` and an
     `act_fn` that computes SiLU (Llama, Qwen2, Mistral) or GELU, exact or tanh (Gemma), and no
     `activation_sparsity` (Gemma 3n's sparse layers keep their own forward), nor any other
     submodule or attribute (`_plain_gated_mlp`: multipliers, clamps, sub-norms or dropout change
@@ -223,6 +260,14 @@ def patch_hf(model: nn.Module) -> int:
     checked by running the module's forward once on two random rows (`_packed_order_is_gate_up`),
     so a packed MLP with meta weights, or one whose forward is not down(act(gate) * up), is left
     alone.
+
+    A projection is linear when it is an nn.Linear (subclasses included) or linear-like
+    (`_is_linear_like`: an nn.Module with int `in_features` / `out_features` and a `bias` that
+    is None or a tensor, if any, computing x @ W^T + b). So kernel_lab.gemm's `patch_hf` may run
+    before or after this one: its `Linear` (an nn.Linear) and `QuantizedLinear` (linear-like)
+    projections are adopted as they are, and after this one it replaces the nn.Linear
+    projections inside the new modules under the same names. Either order gives the same
+    modules, state dict keys and logits (within rounding).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_hf: model must be an nn.Module, got {type(model).__name__}")

@@ -164,6 +164,12 @@ class _Coop:
 # looped kernel in the same process). Confirming A/B, five rounds: rms_norm 86.4 against 90.4
 # us looped, residual 161.4 against 195.8, LayerNorm 93.1 against 103.7; the gated variant 134.3
 # against 136.7 (it reads the gate from HBM in its second pass).
+# On an H100 (scratch, 2026-11-26) no tile reached 90% of copy bandwidth at 1024 x 65536: the
+# best of the same sweep (plus 16K chunks) ran at 84-85% (rms_norm, this tile and 8K x 8K) and 81%
+# (LayerNorm, this tile); the looped kernels with L2 hints (first pass evict_last, second
+# evict_first, as softmax's looped forward) at {8K, 16K} steps x {8, 16, 32} warps x {1, 2, 3}
+# programs per SM drew level at best (rms_norm 108.6 against 110.1 us, LayerNorm 119.5 against
+# 110.3).
 RMS_FWD_COOP = _Coop(8192, 4096, 4)
 LAYER_NORM_FWD_COOP = _Coop(8192, 4096, 4)
 
