@@ -59,7 +59,7 @@ def test_decode_kernels_compile_for_sm90(q_dtype, cache_dtype, paged, split, blo
     ptrs = {"q_ptr": f"*{q_dtype}", "out_ptr": f"*{q_dtype}", "k_ptr": f"*{cache_dtype}",
             "v_ptr": f"*{cache_dtype}", "lengths_ptr": "*i32", "seq_ids_ptr": "*i32",
             "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-            "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "qk_scale": "fp32"}
+            "part_ptr": "*fp32", "qk_scale": "fp32"}
     kernel = _compile(_kernels._decode_split_kernel, ptrs, {
         "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "PAGED": paged, "PAGE_SIZE": 16,
         "HAS_SEQ_IDS": False, "QUANT": cache_dtype == "fp8e4nv",
@@ -68,7 +68,7 @@ def test_decode_kernels_compile_for_sm90(q_dtype, cache_dtype, paged, split, blo
     }, num_stages=num_stages)
     assert "cubin" in kernel.asm
     merge = _compile(_kernels._decode_merge_kernel,
-                     {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": f"*{q_dtype}"},
+                     {"part_ptr": "*fp32", "out_ptr": f"*{q_dtype}"},
                      {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 64})
     assert "cubin" in merge.asm
 
@@ -81,7 +81,7 @@ def test_fp8_decode_converts_whole_registers_not_bytes(paged):
     produced and which bounded that loop on an H200 (see _e4m3_to_float16_in_registers)."""
     ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "lengths_ptr": "*i32",
             "seq_ids_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-            "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "qk_scale": "fp32"}
+            "part_ptr": "*fp32", "qk_scale": "fp32"}
     kernel = _compile(_kernels._decode_split_kernel, ptrs, {
         "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "PAGED": paged, "PAGE_SIZE": 16,
         "HAS_SEQ_IDS": False, "QUANT": True, "FP16_MMA": True, "SPLIT": True, "DOT_PRECISION": "tf32",

@@ -108,15 +108,23 @@ def test_host_length_mirror_follows_append_reset_and_free(seed):
 
 
 class _FakeCompiled:
-    """Stands in for a triton CompiledKernel: `kernel[grid](*all_params)` records the launch."""
+    """Stands in for a triton CompiledKernel: `kernel.run(*grid, stream, function, metadata,
+    launch_metadata, enter_hook, exit_hook, *all_params)` and `kernel[grid](*all_params)` record
+    the launch."""
 
     packed_metadata = function = object()
 
     def __init__(self, log, name):
         self.log, self.name = log, name
 
-    def __getitem__(self, grid):
+    def _init_handles(self):
+        pass
+
+    def __getitem__(self, grid):  # the launch while launch hooks are installed
         return lambda *params: self.log.append(("direct", self.name, grid, params))
+
+    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
+        self.log.append(("direct", self.name, (gx, gy, gz), params))
 
 
 class _FakeJit:
@@ -152,6 +160,7 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
     monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kv_ops, "_current_raw_stream", lambda device: 0)
     cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
     for s in range(3):
         cache.allocate(s, 30)

@@ -200,7 +200,8 @@ def _decode_split_kernel(
     k_scale_ptr, v_scale_ptr,  # (H_kv,) float32 (QUANT)
     out_ptr,  # (B, T_q, H_q, D) final output, written when NUM_SPLITS == 1
     stride_ob, stride_ot, stride_oh, stride_od,
-    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32 and (B, H_q, T_q, NUM_SPLITS)
+    part_ptr, lse_offset,  # SPLIT: float32 scratch, the partial outputs (B, H_q, T_q, NUM_SPLITS, D),
+    # then from element lse_offset their log2-sum-exps (B, H_q, T_q, NUM_SPLITS)
     qk_scale,  # softmax scale * log2(e): exp2 below instead of exp
     H_KV, T_Q, GROUP, NUM_M_TILES, NUM_SPLITS,
     len_bucket, work_bucket,  # autotune keys only: log2 of the split length, 2 log2 of the programs
@@ -289,8 +290,8 @@ def _decode_split_kernel(
     if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part = ((b * (H_KV * GROUP) + h) * T_Q + t) * NUM_SPLITS + split
-        tl.store(lse_part_ptr + part, lse, mask=mask_m)
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+        tl.store(part_ptr + lse_offset + part, lse, mask=mask_m)
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_m[:, None] & mask_d[None, :])
     else:
         tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
@@ -300,7 +301,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    o_part_ptr, lse_part_ptr,  # (B, H_q, T_q, NUM_SPLITS, D) fp32, (B, H_q, T_q, NUM_SPLITS)
+    part_ptr, lse_offset,  # the split kernel's scratch: partial outputs, then from lse_offset their lse
     out_ptr, stride_ob, stride_ot, stride_oh, stride_od,  # (B, T_q, H_q, D)
     H_Q, T_Q, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -314,11 +315,11 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(lse_part_ptr + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    lse = tl.load(part_ptr + lse_offset + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf (no keys): all 0
     denom = tl.sum(w, 0)
-    o = tl.load(o_part_ptr + (pid * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    o = tl.load(part_ptr + (pid * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,

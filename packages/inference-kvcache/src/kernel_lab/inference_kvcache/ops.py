@@ -17,7 +17,7 @@ import os
 import torch
 from torch.library import custom_op
 
-from kernel_lab.shared import reference, runtime
+from kernel_lab.shared import partial_sums, reference, runtime
 
 from ._kernels import _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
 
@@ -622,8 +622,8 @@ class _DecodePlan:
         block_m, m_tiles = _m_tiling(group, t_q)
         self.h_kv, self.t_q, self.group, self.m_tiles = c.h_kv, t_q, group, m_tiles
         self.split = num_splits > 1
-        # (B, H_q, T_q, NUM_SPLITS, D) and (B, H_q, T_q, NUM_SPLITS), allocated flat: the kernels
-        # index them themselves, and a 1-D torch.empty parses faster than a 5-D one.
+        # The splits' partial outputs (B, H_q, T_q, NUM_SPLITS, D), then their log-sum-exps
+        # (B, H_q, T_q, NUM_SPLITS): one flat float32 scratch that the kernels index themselves.
         self.part_numel = bsz * h_q * t_q * num_splits * d
         self.lse_numel = bsz * h_q * t_q * num_splits
         self.grid = (bsz * c.h_kv * m_tiles, num_splits, 1)
@@ -728,6 +728,11 @@ class _DirectLaunch:
         self.split, self.split_tail, self.merge, self.merge_tail = split, split_tail, merge, merge_tail
 
 
+def _current_raw_stream(device: int) -> int:
+    """The current CUDA stream of `device` as Triton's launcher takes it."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def _tail(jit_fn, n_args: int, values: dict) -> tuple:
     """The values of jit_fn's parameters after its first n_args, in signature order."""
     return tuple(values[name] for name in jit_fn.arg_names[n_args:])
@@ -754,11 +759,8 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         sq, so = q.stride(), out.stride()
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
-    if plan.split:
-        o_part = torch.empty(plan.part_numel, dtype=torch.float32, device=c.device)
-        lse_part = torch.empty(plan.lse_numel, dtype=torch.float32, device=c.device)
-    else:
-        o_part = lse_part = out  # never touched: SPLIT is a constexpr
+    # Split partials: the current stream's scratch, kept between launches (no allocation).
+    part = partial_sums.workspace(c.device, 1, plan.part_numel + plan.lse_numel, 0)[0] if plan.split else out
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
         q, *q_strides,
@@ -770,24 +772,36 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         c.k_scale if c.quant else dummy,
         c.v_scale if c.quant else dummy,
         out, *out_strides,
-        o_part, lse_part,
+        part, plan.part_numel,
         scale * LOG2E,
         plan.h_kv, plan.t_q, plan.group, plan.m_tiles, num_splits,
     )
-    merge_args = (o_part, lse_part, out, *out_strides, shape[-2], plan.t_q, num_splits)
+    merge_args = (part, plan.part_numel, out, *out_strides, shape[-2], plan.t_q, num_splits)
     fingerprint = None
     if DIRECT_LAUNCH and c.is_cuda:
+        device = torch.cuda.current_device()
         fingerprint = (
-            plan, torch.cuda.current_device(), q_strides, q.data_ptr() & 15,
+            plan, device, q_strides, q.data_ptr() & 15,
             seq_ids.data_ptr() & 15 if seq_ids is not None else -1,
-            out.data_ptr() & 15, o_part.data_ptr() & 15, lse_part.data_ptr() & 15,
+            out.data_ptr() & 15, part.data_ptr() & 15,
             _knobs.runtime.debug, _knobs.compilation.instrumentation_mode,
         )
         direct = c._launches.get(fingerprint)
         if direct is not None:
-            direct.split[plan.grid](*args, *direct.split_tail)
+            if _knobs.runtime.launch_enter_hook.calls or _knobs.runtime.launch_exit_hook.calls:
+                direct.split[plan.grid](*args, *direct.split_tail)  # (the hooks' launch metadata too)
+                if plan.split:
+                    direct.merge[plan.merge_grid](*merge_args, *direct.merge_tail)
+                return out
+            # CompiledKernel.run itself: its [grid] runner would look the device, stream and
+            # launch metadata up again per launch
+            stream = _current_raw_stream(device)
+            k = direct.split
+            k.run(*plan.grid, stream, k.function, k.packed_metadata, None, None, None, *args, *direct.split_tail)
             if plan.split:
-                direct.merge[plan.merge_grid](*merge_args, *direct.merge_tail)
+                k = direct.merge
+                k.run(*plan.merge_grid, stream, k.function, k.packed_metadata, None, None, None, *merge_args,
+                      *direct.merge_tail)
             return out
     split_k = _compiled(_launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta))
     merge_k = None
@@ -799,6 +813,9 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
             cfg = _TUNED[plan.tune_key]
             split_tail = _tail(jit_split, len(args), {**plan.meta, **cfg})
             merge_tail = _tail(_decode_merge_kernel, len(merge_args), plan.merge_meta) if plan.split else ()
+            for k in (split_k, merge_k):
+                if k is not None:
+                    k._init_handles()  # loaded already by its first launch; run() needs `function`
             c._launches[fingerprint] = _DirectLaunch(split_k, split_tail, merge_k, merge_tail)
     return out
 
