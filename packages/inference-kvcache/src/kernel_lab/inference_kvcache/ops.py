@@ -17,7 +17,7 @@ import os
 import torch
 from torch.library import custom_op
 
-from kernel_lab.shared import partial_sums, reference, runtime
+from kernel_lab.shared import reference, runtime
 
 from ._kernels import _decode_merge_kernel, _decode_split_kernel, _kv_append_kernel
 
@@ -759,8 +759,10 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         sq, so = q.stride(), out.stride()
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
-    # Split partials: the current stream's scratch, kept between launches (no allocation).
-    part = partial_sums.workspace(c.device, 1, plan.part_numel + plan.lse_numel, 0)[0] if plan.split else out
+    # Split partials, one allocation. (Not a scratch kept per stream, as partial_sums.workspace
+    # keeps: the merge reads what another launch wrote, and two threads launching on one stream
+    # could interleave one decode's split and merge with another's.)
+    part = torch.empty(plan.part_numel + plan.lse_numel, dtype=torch.float32, device=c.device) if plan.split else out
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
         q, *q_strides,
