@@ -210,7 +210,6 @@ def test_patch_hf_replaces_a_shared_linear_once_under_every_name():
     assert isinstance(inner.q, QuantizedLinear) and inner.q is inner.k is model[0][0]
 
 
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("fuse_gate_up", [False, True])
 @pytest.mark.parametrize("bits", [None, 8])
@@ -235,6 +234,7 @@ def test_patch_hf_after_mlp_patch_hf_replaces_the_gated_mlp_projections(kernel_d
         baseline = nn.functional.linear(nn.functional.silu(x @ w_gate.t()) * (x @ w_up.t()), weights["down_proj"])
     ref = reference.gated_mlp(x, w_gate, w_up, weights["down_proj"], "silu")
     testing.assert_close_to_reference(out, ref, baseline, factor=FACTOR, name="patched GatedMLP")
+
 
 # --- gpu tier ----------------------------------------------------------------------------------
 

@@ -109,8 +109,8 @@ def test_host_length_mirror_follows_append_reset_and_free(seed):
 
 class _FakeCompiled:
     """Stands in for a triton CompiledKernel: `kernel.run(*grid, stream, function, metadata,
-    launch_metadata, enter_hook, exit_hook, *all_params)` and `kernel[grid](*all_params)` record
-    the launch."""
+    launch_metadata, enter_hook, exit_hook, *all_params)` ("direct") and `kernel[grid](*all_params)`
+    ("hooked") record the launch."""
 
     packed_metadata = function = object()
 
@@ -121,7 +121,7 @@ class _FakeCompiled:
         pass
 
     def __getitem__(self, grid):  # the launch while launch hooks are installed
-        return lambda *params: self.log.append(("direct", self.name, grid, params))
+        return lambda *params: self.log.append(("hooked", self.name, grid, params))
 
     def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
         self.log.append(("direct", self.name, (gx, gy, gz), params))
@@ -177,6 +177,11 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     again = launches(q.clone())
     assert [x[:2] for x in again] == [("direct", "split"), ("direct", "merge")]
     assert [x[2:] for x in again] == [x[2:] for x in first]
+    with monkeypatch.context() as m:  # a launch hook (a profiler) is called by CompiledKernel[grid]
+        m.setattr(kv_ops._knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+        hooked = launches(q.clone())
+    assert [x[:2] for x in hooked] == [("hooked", "split"), ("hooked", "merge")]
+    assert [x[2:] for x in hooked] == [x[2:] for x in first]
     # Anything the JIT specializes on that the fingerprint does not pin goes through it again:
     # a q that is not 16-byte aligned, other q strides, other seq_ids, another num_splits.
     misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)

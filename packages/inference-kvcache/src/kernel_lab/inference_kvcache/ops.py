@@ -718,8 +718,9 @@ class _DirectLaunch:
     `_decode_launch` (plan: shapes, dtypes, constexprs, config; the cache's own tensors and
     strides; q's strides; the 16-byte alignment of every per-call pointer; current device;
     Triton's debug/instrumentation knobs), so the kernel JITFunction.run picked for the first
-    call of a fingerprint is the one it would pick again: `CompiledKernel[grid](*args)` runs
-    it with the same arguments (all parameters in signature order, constexprs included).
+    call of a fingerprint is the one it would pick again: `CompiledKernel.run` (its `[grid]`
+    runner while launch hooks are installed) runs it with the same arguments (all parameters in
+    signature order, constexprs included).
     """
 
     __slots__ = ("merge", "merge_tail", "split", "split_tail")
@@ -761,7 +762,8 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         out_strides = (so[0], 0, so[1], so[2])
     # Split partials, one allocation. (Not a scratch kept per stream, as partial_sums.workspace
     # keeps: the merge reads what another launch wrote, and two threads launching on one stream
-    # could interleave one decode's split and merge with another's.)
+    # could interleave one decode's split and merge with another's.) Without splits `out` stands
+    # in, never touched: SPLIT is a constexpr.
     part = torch.empty(plan.part_numel + plan.lse_numel, dtype=torch.float32, device=c.device) if plan.split else out
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
