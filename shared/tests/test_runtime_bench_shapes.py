@@ -179,3 +179,14 @@ def test_forward_only_backward_raises_naming_the_op():
     out += 1  # the same tensor comes back, not a view: in-place updates stay legal
     with pytest.raises(RuntimeError, match=r"my_op is forward only \(inference\): it has no backward"):
         (out.sum() + w.sum()).backward()
+
+
+def test_plan_arg_key_tells_apart_what_a_launch_specialises_on():
+    base = torch.zeros(8, 64, dtype=torch.float16)
+    assert runtime.plan_arg_key(None) is None
+    assert runtime.plan_arg_key(base) == (64, torch.float16, base.data_ptr() % 16)
+    # another row stride, dtype or 16-byte alignment: another key
+    assert runtime.plan_arg_key(base[:, :32]) == runtime.plan_arg_key(base)  # same stride and address
+    assert runtime.plan_arg_key(base[::2])[0] == 128
+    assert runtime.plan_arg_key(base.float())[1] == torch.float32
+    assert runtime.plan_arg_key(base[:, 1:])[2] == (base.data_ptr() + 2) % 16

@@ -21,16 +21,21 @@ def _init_(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
+def _weight(proj: nn.Module) -> torch.Tensor:
+    """A projection's (out, in) weight: nn.Linear's, or the test's _LinearLike's transposed buffer."""
+    return proj.weight if isinstance(proj, nn.Linear) else proj.weight_t.t()
+
+
 def _reference_mlp(m: mlp.GatedMLP, x: torch.Tensor) -> torch.Tensor:
     if m.fuse_gate_up:
-        w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+        w_gate, w_up = _weight(m.gate_up_proj).chunk(2, dim=0)
         b = m.gate_up_proj.bias
         b_gate, b_up = (None, None) if b is None else b.chunk(2)
     else:
-        w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
+        w_gate, w_up = _weight(m.gate_proj), _weight(m.up_proj)
         b_gate, b_up = m.gate_proj.bias, m.up_proj.bias
     return reference.gated_mlp(
-        x, w_gate, w_up, m.down_proj.weight, m.activation, m.approximate, b_gate, b_up, m.down_proj.bias
+        x, w_gate, w_up, _weight(m.down_proj), m.activation, m.approximate, b_gate, b_up, m.down_proj.bias
     )
 
 
@@ -180,6 +185,7 @@ def test_patch_hf_replaces_packed_gate_up_mlps_sharing_the_projections(seed, bia
     with torch.no_grad():
         for m, b in zip(model, before, strict=True):
             assert_close_to_reference(m(x), _reference_mlp(m, x), _eager_mlp(m, x), name="packed mlp")
+            # and against the module it replaced (float32, apart in the activation's rounding only)
             torch.testing.assert_close(m(x), b, rtol=1e-5, atol=1e-6)
     assert mlp.patch_hf(model) == 0  # idempotent
 
@@ -295,7 +301,11 @@ def test_patch_hf_adopts_linear_like_projections(seed):
     assert all(a is p for a, p in zip(adopted, projections, strict=True))
     assert set(model.state_dict()) == keys
     with torch.no_grad():
+        for m in model[:2]:  # the two swapped modules
+            assert_close_to_reference(m(x), _reference_mlp(m, x), _eager_mlp(m, x), name="linear-like mlp")
         for m, b in zip(model, before, strict=True):
+            # the swapped module against the one it replaced: both float32 through the same
+            # projections, apart in the activation's rounding only (the rule above bounds the error)
             torch.testing.assert_close(m(x), b, rtol=1e-5, atol=1e-6)
 
 

@@ -411,6 +411,19 @@ def _triton_launch_state():
     return driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime
 
 
+def plan_arg_key(t: torch.Tensor | None) -> tuple | None:
+    """What a launch depends on of a (rows, cols) or (cols,) tensor argument besides its shape:
+    its first stride, dtype and address modulo 16 (Triton specialises pointers on 16-byte
+    alignment); None for an absent tensor.
+
+    A launch-plan key (`DirectLauncher.planned`) built from the device, the rows' shape and this
+    of every tensor the caller passes means equal grids, integer arguments, constexprs and
+    specialisations for equal keys, provided the launcher's own buffers are fresh (torch.empty:
+    contiguous, at least 16-byte aligned) and its scalars are floats (which Triton does not
+    specialise) or follow from the shape."""
+    return None if t is None else (t.stride(0), t.dtype, t.data_ptr() % 16)
+
+
 def row_tile(n_rows: int, n_cols: int, tile_elements: int, max_block_n: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of a row-wise kernel that holds a tile of rows in registers.
 

@@ -642,13 +642,15 @@ class _DecodePlan:
         # T=128k 129.0 vs 130.3, fp8 87.3 vs 86.5): a graph already issues the merge right behind
         # the split kernel, and the merge's own L2 round trip stays on the critical path.
         # Also dropped: the merge inside the split kernel, done by the last split of each tile
-        # to arrive (an acq_rel counter per tile, scratch kept per stream). One launch instead of
-        # two took an eager B=1 T=4k bf16 decode from 40.7 to 29.9 us on an H100 (host time),
-        # but its CUDA-graph replay from 11.1 to 14.6 us: the split kernel alone took 14.5 us
-        # against 9.7 + 1.5 for the split and merge kernels, with one wide read of the tile's
-        # partials (a W @ O product) as with a loop over the splits. Serving engines replay
-        # graphs, so the two kernels stayed. H100 also: 16 splits (one program per SM) against
-        # the default 49 at T=32k moved the graph replay by 0.2 us in a stored benchmark run.)
+        # to arrive (an acq_rel counter per tile, scratch kept per stream). H100, B=1 T=4k bf16,
+        # stored run 0005 against an unstored benchmark run of that version on another host:
+        # eager 40.7 -> 29.9 us (host time; SDPA 31.0 and 33.2 in the two runs), CUDA-graph
+        # replay 11.1 -> 14.6 us. Profiled in two scratch runs, the fused split kernel took
+        # 14.5 us against 9.7 + 1.5 for the split and merge kernels, with one wide read of the
+        # tile's partials (a W @ O product) as with a loop over the splits. Serving engines
+        # replay graphs, so the two kernels stayed. H100 also: 16 splits (one program per SM) as
+        # a measured candidate moved the T=32k graph replay from 53.5 (0005) to 53.3 us in an
+        # unstored benchmark run: not kept.)
         # Autotune keys: the split length as a power of two and the number of programs in
         # half-octave steps, so a 128k-token single sequence and a batch of 64 short ones may
         # pick different tiles, and so may 264 and 392 programs (2 and 3 per SM of an H200).

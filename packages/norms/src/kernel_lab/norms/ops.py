@@ -23,6 +23,7 @@ import torch
 from torch.library import triton_op
 
 from kernel_lab.shared import coop, partial_sums, reference, runtime
+from kernel_lab.shared.runtime import plan_arg_key
 
 from ._kernels import (
     _layer_norm_bwd_kernel,
@@ -260,19 +261,6 @@ def _remember(key: tuple, recipe: tuple) -> tuple:
     return recipe
 
 
-def _arg_key(t: torch.Tensor | None) -> tuple | None:
-    """What a launch depends on of a (rows, n_cols) or (n_cols,) tensor argument besides the
-    shape: its first stride, dtype and address modulo 16 (Triton specialises pointers on 16-byte
-    alignment); None for an absent tensor.
-
-    A launch-plan key (runtime.DirectLauncher.planned) holds the device, the rows' shape and this
-    of every tensor the caller passes: equal keys then mean equal grids, integer arguments,
-    constexprs and specialisations. Not in it: the launchers' own buffers (fresh from
-    torch.empty, contiguous, at least 16-byte aligned) and eps / offset (floats, which Triton
-    does not specialise)."""
-    return None if t is None else (t.stride(0), t.dtype, t.data_ptr() % 16)
-
-
 def rms_norm_fwd(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -308,7 +296,7 @@ def rms_norm_fwd(
     if via_op:
         launch, strides, splits = _rms_fwd_recipe(x2, r2, z2, weight, traced=True)
     else:
-        key = ("rms_norm_fwd", device, x2.shape, _arg_key(x2), _arg_key(r2), _arg_key(z2), _arg_key(weight))
+        key = ("rms_norm_fwd", device, x2.shape, *map(plan_arg_key, (x2, r2, z2, weight)))
         launch, strides, splits = _RECIPES.get(key) or _remember(key, _rms_fwd_recipe(x2, r2, z2, weight, plan=key))
     y2 = runtime.rows_view(y)
     # absent inputs and u stand in as x and y: their flags keep the kernel from touching them
@@ -404,8 +392,7 @@ def rms_norm_bwd(
     if via_op:
         launch, n_programs, ints, wide = _rms_bwd_recipe(dy2, x2, z2, weight, du2, traced=True)
     else:
-        key = ("rms_norm_bwd", device, x2.shape, _arg_key(dy2), _arg_key(x2), _arg_key(z2), _arg_key(weight),
-               _arg_key(rstd), _arg_key(du2))
+        key = ("rms_norm_bwd", device, x2.shape, *map(plan_arg_key, (dy2, x2, z2, weight, rstd, du2)))
         launch, n_programs, ints, wide = _RECIPES.get(key) or _remember(
             key, _rms_bwd_recipe(dy2, x2, z2, weight, du2, plan=key))
     dx2 = runtime.rows_view(dx)
@@ -468,7 +455,7 @@ def layer_norm_fwd(
     if via_op:
         launch, strides, splits = _layer_norm_fwd_recipe(x2, weight, bias, traced=True)
     else:
-        key = ("layer_norm_fwd", device, x2.shape, _arg_key(x2), _arg_key(weight), _arg_key(bias))
+        key = ("layer_norm_fwd", device, x2.shape, *map(plan_arg_key, (x2, weight, bias)))
         launch, strides, splits = _RECIPES.get(key) or _remember(
             key, _layer_norm_fwd_recipe(x2, weight, bias, plan=key))
     launch(x2, x2 if weight is None else weight, x2 if bias is None else bias, runtime.rows_view(y), mean, rstd,
@@ -529,8 +516,7 @@ def layer_norm_bwd(
     if via_op:
         launch, partial_shape, ints, wide = _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, traced=True)
     else:
-        key = ("layer_norm_bwd", device, x2.shape, _arg_key(dy2), _arg_key(x2), _arg_key(weight), bias is None,
-               _arg_key(mean), _arg_key(rstd))
+        key = ("layer_norm_bwd", device, x2.shape, bias is None, *map(plan_arg_key, (dy2, x2, weight, mean, rstd)))
         launch, partial_shape, ints, wide = _RECIPES.get(key) or _remember(
             key, _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, plan=key))
     dx2 = runtime.rows_view(dx)

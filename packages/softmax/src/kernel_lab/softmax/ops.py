@@ -17,6 +17,7 @@ import torch
 from torch.library import triton_op
 
 from kernel_lab.shared import coop, reference, runtime
+from kernel_lab.shared.runtime import plan_arg_key
 
 from ._kernels import (
     _softmax_bwd_coop_kernel,
@@ -207,21 +208,6 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
-def _arg_key(t: torch.Tensor) -> tuple:
-    """What a launch depends on of a (rows, cols) input besides its shape: its row stride, dtype
-    and address modulo 16 (Triton specialises pointers on 16-byte alignment).
-
-    The launchers' launch-plan keys (runtime.DirectLauncher.planned) hold the direction, log,
-    the rows' shape, this of every input and the device: equal keys then mean equal plans,
-    grids, integer arguments and specialisations (the outputs and scratch are fresh, contiguous
-    and aligned). A planned launch skips Triton's argument binder and its cache key: host time of
-    one launch of the rows kernel on an 8 x 128 float32 input, 2000 calls, lent H100 hosts
-    (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one host (where a whole
-    eager softmax call then took 15.8-16.1 us and torch.softmax 6.5-6.9), 11.8-13.5 against
-    8.0-9.4 on another."""
-    return t.stride(0), t.dtype, t.data_ptr() % 16
-
-
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -> torch.Tensor:
     """Launcher: softmax (log=False) or log-softmax (log=True) of `x` along `dim`.
 
@@ -237,7 +223,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         return _from_rows(y2, x, dim)
     plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK, COOP_NUM_WARPS,
                  x.element_size())
-    key = None if traceable else ("fwd", log, x2.shape, _arg_key(x2), x.device)
+    # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
+    # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
+    # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
+    # host (where a whole eager softmax call then took 15.8-16.1 us and torch.softmax 6.5-6.9),
+    # 11.8-13.5 against 8.0-9.4 on another. The outputs and scratch are fresh and contiguous.
+    key = None if traceable else ("fwd", log, x2.shape, plan_arg_key(x2), x.device)
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
@@ -284,7 +275,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     coop_chunk, coop_num_warps = (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log else (
         BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N, coop_chunk, coop_num_warps)
-    key = None if traceable else ("bwd", log, y2.shape, _arg_key(y2), _arg_key(dy2), y.device)
+    key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
