@@ -167,7 +167,8 @@ def test_non_last_dim_matches_reference(op_name, dim, kernel_device, seed):
 def test_long_row_paths_match_reference(op_name, n_rows, n_cols, path, small_blocks, kernel_device, seed):
     # max fused 64 and 32-column steps: rows of 300 columns loop 10 times, masked tails included
     small_blocks(64, 32)
-    assert ops._plan(n_rows, n_cols, 64, torch.device("cpu"), 32, 32, 4).kind == path or kernel_device == "cuda"
+    plan = ops._plan(n_rows, n_cols, 64, ops.FWD_ROWS_TILE, torch.device("cpu"), 32, 32, 4)
+    assert plan.kind == path or kernel_device == "cuda"
     x = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=4.0)
     check_forward_and_backward(op_name, x, seed=seed)
 
@@ -288,7 +289,7 @@ def test_cooperative_kernel_matches_reference(op_name, n_rows, n_cols, dtype, se
     """Rows cut into chunks across programs, with far more programs than fit on the GPU at once
     (1000 rows x 7 chunks): every row's merge must wait for exactly its own chunks."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = ops._plan(n_rows, n_cols, ops.FWD_MAX_FUSED_COLS, torch.device("cuda"), ops.LOOP_BLOCK_N,
+    plan = ops._plan(n_rows, n_cols, ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, torch.device("cuda"), ops.LOOP_BLOCK_N,
                      ops.COOP_CHUNK, ops.COOP_NUM_WARPS)
     assert plan.kind == "coop" or ops.COOP_CHUNK * sm_count < n_cols
     x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
@@ -305,7 +306,7 @@ def test_cooperative_kernel_matches_reference(op_name, n_rows, n_cols, dtype, se
 def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     def plan(n_cols):
-        return ops._plan(2, n_cols, ops.FWD_MAX_FUSED_COLS, torch.device("cuda"), ops.LOOP_BLOCK_N,
+        return ops._plan(2, n_cols, ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, torch.device("cuda"), ops.LOOP_BLOCK_N,
                          ops.COOP_CHUNK, ops.COOP_NUM_WARPS)
 
     at_limit = plan(sm_count * ops.COOP_CHUNK)
@@ -326,8 +327,8 @@ def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dt
     n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
 
     def plan(rows):
-        return ops._plan(rows, n_cols, ops.FWD_MAX_FUSED_COLS, torch.device("cuda"), ops.LOOP_BLOCK_N,
-                         ops.COOP_CHUNK, ops.COOP_NUM_WARPS, dtype.itemsize)
+        return ops._plan(rows, n_cols, ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, torch.device("cuda"),
+                         ops.LOOP_BLOCK_N, ops.COOP_CHUNK, ops.COOP_NUM_WARPS, dtype.itemsize)
 
     assert plan(n_rows).kind == "looped" and plan(n_rows).keep_in_l2
     assert plan(n_rows - 1).kind == "coop"

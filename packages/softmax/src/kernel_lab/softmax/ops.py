@@ -41,9 +41,16 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The backward holds two rows (y and dy), hence half.
 FWD_MAX_FUSED_COLS = 16384
 BWD_MAX_FUSED_COLS = 8192
-# Elements one program of the rows kernel handles: short rows are batched BLOCK_M at a time
+# Elements one program of the rows kernels handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its launch and reduction latency.
-ROWS_TILE = 2048
+# H100 sweep of 512 to 4096 elements (2**27 bf16 / 2**26 float32 elements, CUDA-graph replays,
+# all tiles alternated over nine rounds; scratch): the forward at 1024 is level with or faster
+# than 2048 at every row length from 64 to 2048 columns (bf16 131072 x 1024: 179.2 against
+# 180.0 us, the config liger uses there; 64 to 256 columns 1-1.5 us faster), and 512 was 7-14%
+# slower below 1000 columns. The backward (three tensors) is level from 512 to 4096 at 1024
+# columns and more, 1.5% faster at 512 with 64 to 512 bf16 columns: it keeps 2048.
+FWD_ROWS_TILE = 1024
+BWD_ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
 # limit). A row may be cut into at most as many chunks as the GPU has SMs (kernel_lab.shared.coop),
 # e.g. 2M columns on 132 SMs in the forward. What bounds them is the synchronisation, not the
@@ -139,19 +146,20 @@ class _Plan:
 
 # Plans by their arguments: building one costs a few microseconds of host arithmetic and device
 # queries, a lookup well under one (a small call's latency is its host path). The module
-# constants _make_plan reads (ROWS_TILE, SPLIT_*, LOOP_NUM_WARPS) are not in the key: code that
+# constants _make_plan reads (SPLIT_*, LOOP_NUM_WARPS) are not in the key: code that
 # changes them (the tests' small_blocks fixture) clears _PLANS. Plans are never modified.
 _PLANS: dict[tuple, _Plan] = {}
 _PLANS_MAX = 4096
 
 
 def _plan(
-    n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
+    n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int = 0,
 ) -> _Plan:
     """l2_loop_elem_size: the element size of a forward's input (rows that fit L2_LOOP_ROW_BYTES
     may take the looped kernel with its L2 hints), 0 for the backward (never)."""
-    key = (n_rows, n_cols, max_fused_cols, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop_elem_size)
+    key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps,
+           l2_loop_elem_size)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
         return _make_plan(*key)
     plan = _PLANS.get(key)
@@ -163,11 +171,11 @@ def _plan(
 
 
 def _make_plan(
-    n_rows: int, n_cols: int, max_fused_cols: int, device: torch.device, loop_block_n: int,
+    n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
-        block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, ROWS_TILE)
+        block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, rows_tile)
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
@@ -221,8 +229,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, x.device, LOOP_BLOCK_N, COOP_CHUNK, COOP_NUM_WARPS,
-                 x.element_size())
+    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
+                 COOP_NUM_WARPS, x.element_size())
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
     # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
@@ -274,7 +282,8 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
         return _from_rows(dx2, dy, dim)
     coop_chunk, coop_num_warps = (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log else (
         BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
-    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, y.device, BWD_LOOP_BLOCK_N, coop_chunk, coop_num_warps)
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, BWD_ROWS_TILE, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
+                 coop_num_warps)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
