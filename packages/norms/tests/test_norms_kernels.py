@@ -161,6 +161,28 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_layer_norm_backward_rereading_tiles_matches_reference(affine, monkeypatch, kernel_device, seed):
+    """Rows past ops.LAYER_NORM_BWD_PREFETCH_MAX_COLS take the one-tile LayerNorm backward that
+    touches each tile twice (REREAD). Shrunk here to 32 columns: 100-column rows (masked tail of
+    a 128-column tile), one 1-warp program per stand-in SM striding over several rows."""
+    monkeypatch.setattr(ops, "LAYER_NORM_BWD_PREFETCH_MAX_COLS", 32)
+    monkeypatch.setattr(ops, "LAYER_NORM_BWD_REREAD", ops._BwdPlan(128, 128, 1))
+    _forget_recipes(monkeypatch)
+    sms = runtime.sm_count(torch.device(kernel_device))
+    n_rows = 3 * sms + 1
+    t = ops._bwd_tile(n_rows, 100, ops.LAYER_NORM_BWD_MAX_FUSED_COLS, ops.LAYER_NORM_WIDE, ops.LAYER_NORM_BWD_REREAD)
+    assert (t.one_tile, t.block_m, t.block_n, t.num_warps) == (True, 1, 128, 1)
+    inputs = make_inputs("layer_norm", (n_rows, 100), torch.float32, kernel_device, seed, shift=1.5)
+    if affine in ("bias", "none"):
+        inputs["weight"] = None
+    if affine in ("weight", "none"):
+        inputs["bias"] = None
+    check_op("layer_norm", inputs, eps=1e-5, seed=seed, backend="triton")
+    assert any(key[0] == "layer_norm_bwd" for key in ops._RECIPES)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op", OPS)
 def test_recipes_are_reused_across_calls(op, monkeypatch, kernel_device, seed):
     """One shape called with other eps, offsets and values: each launcher works its launch out

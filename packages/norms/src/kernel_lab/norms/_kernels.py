@@ -470,13 +470,16 @@ def _layer_norm_fwd_coop_kernel(
 
 
 @triton.jit
-def _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows, n_cols, stride_dy_row, stride_x_row):
+def _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows, n_cols, stride_dy_row, stride_x_row,
+                         EVICTION: tl.constexpr):
     """What the backward reads of rows `rows`: (x, dy, mean, rstd, mask), the tiles as stored
-    (no conversion: a prefetched tile stays compact in registers)."""
+    (no conversion: a prefetched tile stays compact in registers). EVICTION: the tile loads'
+    L2 eviction policy ("": the default)."""
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICTION)
     mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
     return x, dy, mean, rstd, mask
@@ -538,6 +541,7 @@ def _layer_norm_bwd_kernel(
     stride_dy_row, stride_x_row, stride_dx_row,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    REREAD: tl.constexpr,  # touch each tile twice (wide rows) instead of prefetching the next
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -546,25 +550,42 @@ def _layer_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # Software prefetch: the loop carries the next row block's tiles, loaded before the current
-    # block's row reductions (whose barrier would otherwise leave DRAM idle while the SM
-    # reduces). On an H200 this beat reading each block twice (the RMSNorm way) from 2048 to
-    # 8192 columns, and the plain loop at 2048 and 4096 (a tie at 8192). The launcher keeps the
-    # grid <= the number of row blocks.
-    # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
-    rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows, n_cols,
-                                                   stride_dy_row, stride_x_row)
-    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
-        next_rows = ((block + n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        next_x, next_dy, next_mean, next_rstd, next_mask = _layer_norm_bwd_load(
-            dy_ptr, x_ptr, mean_ptr, rstd_ptr, next_rows, cols, n_rows, n_cols, stride_dy_row, stride_x_row)
-        xhat, dy_f32, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
-        dot_g = tl.sum(g, axis=1) / n_cols
-        dot_gx = tl.sum(g * xhat, axis=1) / n_cols
-        _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
-        dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy_f32, HAS_WEIGHT, HAS_BIAS)
-        rows, x, dy, mean, rstd, mask = next_rows, next_x, next_dy, next_mean, next_rstd, next_mask
+    if REREAD:
+        # Rows too wide to hold x, dy, the next block's tiles and both accumulators without
+        # spilling: RMSNorm's way (_rms_norm_bwd_kernel), the first touch of the tile for the
+        # row's dots only, the second (from L2) for dx and the accumulators.
+        for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows,
+                                                           n_cols, stride_dy_row, stride_x_row, "evict_last")
+            xhat, dy_f32, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
+            dot_g = tl.sum(g, axis=1) / n_cols
+            dot_gx = tl.sum(g * xhat, axis=1) / n_cols
+            x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows,
+                                                           n_cols, stride_dy_row, stride_x_row, "evict_first")
+            xhat, dy_f32, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
+            _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
+            dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy_f32, HAS_WEIGHT, HAS_BIAS)
+    else:
+        # Software prefetch: the loop carries the next row block's tiles, loaded before the current
+        # block's row reductions (whose barrier would otherwise leave DRAM idle while the SM
+        # reduces). On an H200 this beat reading each block twice (the RMSNorm way) from 2048 to
+        # 8192 columns, and the plain loop at 2048 and 4096 (a tie at 8192). The launcher keeps the
+        # grid <= the number of row blocks.
+        # int32 is enough for a row index; the int64 cast keeps rows * stride from wrapping
+        rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows, n_cols,
+                                                       stride_dy_row, stride_x_row, "")
+        for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+            next_rows = ((block + n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            next_x, next_dy, next_mean, next_rstd, next_mask = _layer_norm_bwd_load(
+                dy_ptr, x_ptr, mean_ptr, rstd_ptr, next_rows, cols, n_rows, n_cols, stride_dy_row, stride_x_row, "")
+            xhat, dy_f32, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
+            dot_g = tl.sum(g, axis=1) / n_cols
+            dot_gx = tl.sum(g * xhat, axis=1) / n_cols
+            _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
+            dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy_f32, HAS_WEIGHT, HAS_BIAS)
+            rows, x, dy, mean, rstd, mask = next_rows, next_x, next_dy, next_mean, next_rstd, next_mask
     _layer_norm_store_partials(dw_acc, db_acc, partial_ptr, pid, n_programs, cols, n_cols, HAS_WEIGHT, HAS_BIAS)
 
 
@@ -589,7 +610,7 @@ def _layer_norm_bwd_wide_kernel(
         for off in tl.range(0, n_cols, BLOCK_N):
             cols = off + tl.arange(0, BLOCK_N)
             x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows,
-                                                           n_cols, stride_dy_row, stride_x_row)
+                                                           n_cols, stride_dy_row, stride_x_row, "")
             xhat, dy, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
             acc_g += g
             acc_gx += g * xhat
@@ -604,7 +625,7 @@ def _layer_norm_bwd_wide_kernel(
         for row in tl.range(row_start, row_end):
             rows = row + tl.arange(0, 1)
             x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, n_rows,
-                                                           n_cols, stride_dy_row, stride_x_row)
+                                                           n_cols, stride_dy_row, stride_x_row, "")
             xhat, dy, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
             dot_g = tl.load(dot_ptr + 2 * rows)
             dot_gx = tl.load(dot_ptr + 2 * rows + 1)

@@ -46,12 +46,17 @@ FWD_MAX_FUSED_COLS = 16384
 # Longest row of the one-tile backward, whose program keeps a dweight accumulator of the row's
 # width. RMSNorm's reads each tile twice instead of holding x and dy across the row reduction
 # and fits 16384 columns without spilling (16 warps, 128 registers): faster than the wide kernel
-# there on an H200 (bf16, 4096 rows). LayerNorm's (prefetching) also holds the mean and the
-# dbias accumulator: past 8192 columns it spills and the wide kernel is faster. (A LayerNorm
-# kernel reading its tile twice, as RMSNorm's does, was faster still at 16384 columns in the
-# sweep, and slower at 2048-8192: not taken, one LayerNorm design.)
+# there on an H200 (bf16, 4096 rows). LayerNorm's prefetching loop also holds the next block's
+# tiles and the dbias accumulator: past 8192 columns it spills. There the LayerNorm kernel
+# touches each tile twice as RMSNorm's does (REREAD, plan LAYER_NORM_BWD_REREAD), which was
+# faster than the wide kernel at 16384 columns and slower than prefetching at 2048-8192 (H200
+# sweep). H100, bf16 4096 x 16384, kernel only, CUDA-graph replays alternated over nine rounds
+# (scratch): 196 us with 8 warps and one program per SM, against 253 us for the wide kernel
+# with its partial sums (203-212 us at 2-3 programs per SM; 253 at 16 warps, 417 at 32: the
+# dweight and dbias accumulators of a 16384-column row fill half an SM's registers).
 BWD_MAX_FUSED_COLS = 16384
-LAYER_NORM_BWD_MAX_FUSED_COLS = 8192
+LAYER_NORM_BWD_MAX_FUSED_COLS = 16384
+LAYER_NORM_BWD_PREFETCH_MAX_COLS = 8192
 # (Tried and dropped: adding dweight up inside the one-tile RMSNorm backward, in two levels (the
 # last program of each group of about sqrt(programs) adds its group's partial rows, the last
 # group adds the group sums) to save the sum_partials launch, whose host time counts under
@@ -99,6 +104,7 @@ LONG_ROW_RMS_BWD = _BwdPlan(32, 16384, 16)
 RESIDUAL_RMS_BWD_LONG_FROM = 8192
 GATED_RMS_BWD_LONG_FROM = 16384
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
+LAYER_NORM_BWD_REREAD = _BwdPlan(64, 16384, 8)  # rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS
 # ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
@@ -542,9 +548,11 @@ def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = Fa
     kernel, or the wide kernel (wide: it also takes a dot buffer after the partial sums),
     indexed with its grid, its constexprs bound."""
     n_rows, n_cols = x2.shape
-    t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, LAYER_NORM_BWD,
+    reread = runtime.next_power_of_2(n_cols) > LAYER_NORM_BWD_PREFETCH_MAX_COLS
+    bwd_plan = LAYER_NORM_BWD_REREAD if reread else LAYER_NORM_BWD
+    t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, bwd_plan,
                   LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, LAYER_NORM_BWD)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, bwd_plan)
     # one (n_programs, n_cols) slab of partial sums per parameter present, dweight's first
     n_params = (weight is not None) + has_bias
     partial_shape = None if n_params == 0 else (n_programs, n_cols) if n_params == 1 else (2, n_programs, n_cols)
@@ -552,7 +560,8 @@ def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = Fa
     strides = (dy2.stride(0), x2.stride(0), n_cols)  # dx: fresh and contiguous
     if t.one_tile:
         launch = functools.partial(runtime.launchable(_layer_norm_bwd_kernel, traced, plan)[(n_programs,)],
-                                   **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps)
+                                   **flags, REREAD=reread, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                   num_warps=t.num_warps)
         return launch, partial_shape, strides, False
     launch = functools.partial(runtime.launchable(_layer_norm_bwd_wide_kernel, traced, plan)[(n_programs,)],
                                **flags, BLOCK_N=t.block_n, num_warps=t.num_warps)
