@@ -129,13 +129,25 @@ def _e4m3_to_float16_in_registers(x):
 
 
 @triton.jit
+def _token_offsets(block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_N,) int64 element offsets in the pool of keys n0 .. n0 + BLOCK_N of cache row
+    `row` (the same for values). Keys at or past `end` get block 0's: never read (masked)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if PAGED:
+        blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
+        return blk.to(tl.int64) * stride_kblk + (offs_n % PAGE_SIZE) * stride_kt
+    return row * stride_kblk + offs_n.to(tl.int64) * stride_kt
+
+
+@triton.jit
 def _decode_tile(
-    q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
+    q, k_ptr, v_ptr, kv_head, tok, n0, end, last_pos,
     row_scale, m_i, l_i, acc, mask_d,
-    MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One BLOCK_N-key step of the online softmax: keys n0 .. n0 + BLOCK_N of cache row `row`.
+    """One BLOCK_N-key step of the online softmax: keys n0 .. n0 + BLOCK_N, at element offsets
+    `tok` of the pools (_token_offsets).
 
     q: (BLOCK_M, BLOCK_D) in the MMA dtype; m_i, l_i: (BLOCK_M,) running max (log2 units) and
     sum; acc: (BLOCK_M, BLOCK_D) float32. MASKED: drop keys at or past `end` and keys after
@@ -146,11 +158,6 @@ def _decode_tile(
         mask_n = offs_n < end
     else:
         mask_n = tl.full([BLOCK_N], True, tl.int1)
-    if PAGED:
-        blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        tok = blk.to(tl.int64) * stride_kblk + (offs_n % PAGE_SIZE) * stride_kt
-    else:
-        tok = row * stride_kblk + offs_n.to(tl.int64) * stride_kt
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(k_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(v_ptr + tok[:, None] + kv_head, mask=kv_mask, other=0.0)
@@ -269,18 +276,28 @@ def _decode_split_kernel(
     # Tiles wholly inside [start, end) and visible to every query of the tile (for T_q = 1,
     # all but the last) run without the key masks; the rest, at most a few, with them.
     full_end = start + tl.maximum(tl.minimum(end, length - T_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
+    # A paged tile's addresses come from a block-table load: each step looks up the next tile's
+    # blocks, so that its K and V loads do not wait on a lookup of their own. A split of a few
+    # tiles otherwise waited on one extra memory latency per tile (H100, B = 1, 4096 keys,
+    # 16-token pages: 13.0 us a decode against 10.7 for the contiguous cache, history 0012).
+    tok = _token_offsets(block_table_ptr, stride_bt, stride_kblk, stride_kt, row, start, end,
+                         PAGED, PAGE_SIZE, BLOCK_N)
     for n0 in range(start, full_end, BLOCK_N):
+        tok_next = _token_offsets(block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0 + BLOCK_N, end,
+                                  PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _decode_tile(
-            q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
-            row_scale, m_i, l_i, acc, mask_d,
-            MASKED=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            q, k_ptr, v_ptr, kv_head, tok, n0, end, last_pos, row_scale, m_i, l_i, acc, mask_d,
+            MASKED=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
+        tok = tok_next
     for n0 in range(full_end, end, BLOCK_N):
+        tok_next = _token_offsets(block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0 + BLOCK_N, end,
+                                  PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _decode_tile(
-            q, k_ptr, v_ptr, kv_head, block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end, last_pos,
-            row_scale, m_i, l_i, acc, mask_d,
-            MASKED=True, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            q, k_ptr, v_ptr, kv_head, tok, n0, end, last_pos, row_scale, m_i, l_i, acc, mask_d,
+            MASKED=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
+        tok = tok_next
 
     # A query with no key (empty sequence or split) returns 0 and has lse = -inf.
     has_keys = l_i > 0
