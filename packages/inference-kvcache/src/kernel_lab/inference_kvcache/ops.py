@@ -42,6 +42,15 @@ MAX_BLOCK_M = 64
 # T=8k 69.3 against 70.5 (four: the default before kernel-lab-inference-kvcache 0.1.6).
 SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_LEN = 256
+# Short contexts, whose decode is a few tiles a program and bound by latency, may split down to
+# SHORT_MIN_SPLIT_LEN keys as long as that makes at most SHORT_MAX_SPLITS splits. H100 scratch
+# run (B=1, CUDA-graph replays over the benchmark's layers, 15 rounds, the old plan against
+# this one): T=1k 4 -> 8 splits 9.3 -> 7.7 us (contiguous), 9.2 -> 7.2 (fp8), 9.8 -> 7.9 (paged16);
+# T=2k 8 -> 16 splits 10.3 -> 9.1, 10.1 -> 8.1, 11.2 -> 9.3. Not past 16: 128-key splits at T=8k
+# (49 against 32 splits of 256) were 3-8% slower, at T=4k level but for paged16 (12.3 against
+# 13.1 us at 32 splits) and fp8 (11.1 against 10.8).
+SHORT_MIN_SPLIT_LEN = 128
+SHORT_MAX_SPLITS = 16
 MAX_SPLITS = 128
 # Fewest head-dim columns a program of the split merge takes (see _DecodePlan).
 MERGE_MIN_BLOCK_D = 32
@@ -50,7 +59,11 @@ MERGE_MIN_BLOCK_D = 32
 # default only when its best time is under SPLIT_MIN_GAIN times the default's. (Timed once each,
 # the winner changed from process to process: fp8, B=1, T=128k took 49 splits in one and 128,
 # 12% slower, in another.)
-SPLIT_WAVE_CANDIDATES = (2, 4, 8)
+# One program per SM (since 0.1.11): H100 scratch run as above, bf16 contiguous cache, one
+# program per SM against the default three: B=1 T=32k 53.4 against 54.6 us (16 against 49
+# splits), T=128k 180.5 against 186.0, B=8 T=8k 95.7 against 98.9 (2 against 6 splits); the fp8
+# cache, bound by its conversions, was 7-16% slower with them, paged caches within 1%.
+SPLIT_WAVE_CANDIDATES = (1, 2, 4, 8)
 SPLIT_MEASURE_ROUNDS = 3
 SPLIT_MIN_GAIN = 0.97
 
@@ -299,9 +312,9 @@ def kv_append_fwd(
 
 def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
     """Default split-K factor: enough programs to fill the GPU, each split at least
-    MIN_SPLIT_LEN keys. (On CUDA the first decode of a class of decodes times this and a few
-    counts that fill whole waves, and keeps the fastest if it beats this one by a margin:
-    `_measured_num_splits`.)
+    MIN_SPLIT_LEN keys (SHORT_MIN_SPLIT_LEN for up to SHORT_MAX_SPLITS splits). (On CUDA the
+    first decode of a class of decodes times this and a few counts that fill whole waves, and
+    keeps the fastest if it beats this one by a margin: `_measured_num_splits`.)
 
     E.g. B=1, 8 kv heads on 132 SMs: 8 programs without splitting would leave 124 SMs idle,
     so a 128k context is cut into 49 splits (392 programs); B=64 already has 512 programs at
@@ -314,7 +327,7 @@ def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int
                 programs_per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
     programs = max(1, batch * h_kv * m_tiles)
     by_occupancy = (programs_per_sm * sm_count) // programs
-    by_length = max_len // MIN_SPLIT_LEN
+    by_length = max(max_len // MIN_SPLIT_LEN, min(max_len // SHORT_MIN_SPLIT_LEN, SHORT_MAX_SPLITS))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
