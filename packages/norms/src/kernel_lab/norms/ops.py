@@ -53,7 +53,9 @@ FWD_MAX_FUSED_COLS = 16384
 # sweep). H100, bf16 4096 x 16384, kernel only, CUDA-graph replays alternated over nine rounds
 # (scratch): 196 us with 8 warps and one program per SM, against 253 us for the wide kernel
 # with its partial sums (203-212 us at 2-3 programs per SM; 253 at 16 warps, 417 at 32: the
-# dweight and dbias accumulators of a 16384-column row fill half an SM's registers).
+# dweight and dbias accumulators of a 16384-column row fill half an SM's registers, and an
+# offline sm_90a compile, ptxas -v, still spills 200 bytes a thread at 8 warps (255 registers)
+# and 220 at 16 (128 registers)).
 BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_PREFETCH_MAX_COLS = 8192
