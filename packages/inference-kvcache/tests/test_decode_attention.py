@@ -435,18 +435,3 @@ def test_decode_and_append_run_on_the_cache_gpu_not_the_current_one(kvh, seed):
         out = decode_attention(q, cache, 0)
     kvh.check_decode(out, q, cache, 0)
 
-
-def test_default_split_counts():
-    """The default split plan on a 132-SM GPU with 8 kv heads (ops._num_splits): short contexts
-    split down to 128-key splits while that gives at most 16 of them, longer ones into splits of
-    at least 256 keys, up to three programs per SM; batches that fill the GPU are not split."""
-    from kernel_lab.inference_kvcache import ops
-
-    def splits(batch, max_len):
-        return ops._num_splits(batch, 8, 1, max_len, 132)
-
-    assert [splits(1, t) for t in (100, 256, 1024, 2048, 3000, 4096, 8192, 32768, 131072)] == \
-        [1, 2, 8, 16, 16, 16, 32, 49, 49]
-    assert splits(8, 8192) == 6 and splits(32, 4096) == 1 and splits(64, 2048) == 1
-    # the measured candidates (ops.SPLIT_WAVE_CANDIDATES) reach one program per SM
-    assert ops._num_splits(1, 8, 1, 32768, 132, programs_per_sm=1) == 16

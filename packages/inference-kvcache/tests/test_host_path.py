@@ -234,3 +234,21 @@ def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkey
     assert len(timed) == kv_ops.SPLIT_MEASURE_ROUNDS * len(set(candidates.values()))
     assert kv_ops._MEASURED_SPLITS[max(kv_ops._MEASURED_SPLITS, key=lambda k: k[0][0])] == kv_ops._num_splits(
         3, 8, 1, 32768, sms, per_sm)
+
+
+def test_default_split_counts():
+    """The default split plan on a 132-SM GPU with 8 kv heads (ops._num_splits): splits of at
+    least 256 keys up to three programs per SM; short contexts whose 256-key plan leaves most
+    SMs idle split down to 128 keys, at most 16 splits; batches that fill the GPU are not split."""
+
+    def splits(batch, max_len):
+        return kv_ops._num_splits(batch, 8, 1, max_len, 132)
+
+    by_length = [splits(1, t) for t in (100, 256, 1024, 2048, 3000, 4096, 8192, 32768, 131072)]
+    assert by_length == [1, 2, 8, 16, 11, 16, 32, 49, 49]
+    # B = 2 at T = 1k (64 programs under the 256-key plan) splits further; at T = 2k it does not
+    assert (splits(2, 1024), splits(2, 2048), splits(4, 1024)) == (8, 8, 4)
+    assert (splits(8, 8192), splits(32, 4096), splits(64, 2048)) == (6, 1, 1)
+    # the measured candidates reach one program per SM: 16 splits of a B = 1 decode
+    assert 1 in kv_ops.SPLIT_WAVE_CANDIDATES
+    assert kv_ops._num_splits(1, 8, 1, 32768, 132, programs_per_sm=min(kv_ops.SPLIT_WAVE_CANDIDATES)) == 16

@@ -162,24 +162,26 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
-def test_layer_norm_backward_rereading_tiles_matches_reference(affine, monkeypatch, kernel_device, seed):
+@pytest.mark.parametrize("n_cols, reread", [(100, True), (33, True), (32, False)])
+def test_layer_norm_backward_rereading_tiles_matches_reference(affine, n_cols, reread, monkeypatch, kernel_device,
+                                                                seed):
     """Rows past ops.LAYER_NORM_BWD_PREFETCH_MAX_COLS take the one-tile LayerNorm backward that
-    touches each tile twice (REREAD). Shrunk here to 32 columns: 100-column rows (masked tail of
-    a 128-column tile), one 1-warp program per stand-in SM striding over several rows."""
+    touches each tile twice (REREAD). Shrunk here to 32 columns: 33 and 100 columns (masked tails
+    of 64- and 128-column tiles, two rows and one a program) reread, 32 prefetch; one 1-warp
+    program per stand-in SM strides over several row blocks."""
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_PREFETCH_MAX_COLS", 32)
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_REREAD", ops._BwdPlan(128, 128, 1))
     _forget_recipes(monkeypatch)
     sms = runtime.sm_count(torch.device(kernel_device))
-    n_rows = 3 * sms + 1
-    t = ops._bwd_tile(n_rows, 100, ops.LAYER_NORM_BWD_MAX_FUSED_COLS, ops.LAYER_NORM_WIDE, ops.LAYER_NORM_BWD_REREAD)
-    assert (t.one_tile, t.block_m, t.block_n, t.num_warps) == (True, 1, 128, 1)
-    inputs = make_inputs("layer_norm", (n_rows, 100), torch.float32, kernel_device, seed, shift=1.5)
+    inputs = make_inputs("layer_norm", (3 * sms + 1, n_cols), torch.float32, kernel_device, seed, shift=1.5)
     if affine in ("bias", "none"):
         inputs["weight"] = None
     if affine in ("weight", "none"):
         inputs["bias"] = None
     check_op("layer_norm", inputs, eps=1e-5, seed=seed, backend="triton")
-    assert any(key[0] == "layer_norm_bwd" for key in ops._RECIPES)
+    # what the launcher built for the backward (the interpreter's launches are plain kernels)
+    ((launch, *_),) = [recipe for key, recipe in ops._RECIPES.items() if key[0] == "layer_norm_bwd"]
+    assert launch.keywords["REREAD"] is reread
 
 
 @pytest.mark.interpret

@@ -132,7 +132,8 @@ def _e4m3_to_float16_in_registers(x):
 def _token_offsets(block_table_ptr, stride_bt, stride_kblk, stride_kt, row, n0, end,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_N,) int64 element offsets in the pool of keys n0 .. n0 + BLOCK_N of cache row
-    `row` (the same for values). Keys at or past `end` get block 0's: never read (masked)."""
+    `row` (the same for values). Paged: keys at or past `end` are not looked up and get block
+    0's offsets; the caller masks them."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if PAGED:
         blk = tl.load(block_table_ptr + row * stride_bt + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)

@@ -34,21 +34,24 @@ MAX_HEAD_DIM = 256
 MIN_DOT_DIM = 16
 # Rows (query heads of a group x query tokens) of one program; larger groups take more tiles.
 MAX_BLOCK_M = 64
-# Split-K plan: aim for this many programs per SM, never splits shorter than MIN_SPLIT_LEN
-# keys (below that the merge costs more than the parallelism gains), at most MAX_SPLITS.
+# Split-K plan: aim for this many programs per SM, splits of at least MIN_SPLIT_LEN keys (below
+# that the merge costs more than the parallelism gains, except for the short contexts of
+# SHORT_MIN_SPLIT_LEN below), at most MAX_SPLITS.
 # Three per SM: in an H200 sweep (scratch run, CUDA-graph replays, 32 query / 8 kv heads, D = 128)
 # they were the fastest or within 2% of it at every shape: B=1 T=32k bf16 39.6 us against 40.4
 # at four per SM, T=128k 129.8 against 130.9, the fp8 cache at T=128k 85.4 against 95.1; B=8
 # T=8k 69.3 against 70.5 (four: the default before kernel-lab-inference-kvcache 0.1.6).
 SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_LEN = 256
-# Short contexts, whose decode is a few tiles a program and bound by latency, may split down to
+# Short contexts, where splits of MIN_SPLIT_LEN keys would leave more than half of the SMs
+# without a program (a decode of a few tiles a program, bound by latency), may split down to
 # SHORT_MIN_SPLIT_LEN keys as long as that makes at most SHORT_MAX_SPLITS splits. H100 scratch
 # run (B=1, CUDA-graph replays over the benchmark's layers, 15 rounds, the old plan against
 # this one): T=1k 4 -> 8 splits 9.3 -> 7.7 us (contiguous), 9.2 -> 7.2 (fp8), 9.8 -> 7.9 (paged16);
 # T=2k 8 -> 16 splits 10.3 -> 9.1, 10.1 -> 8.1, 11.2 -> 9.3. Not past 16: 128-key splits at T=8k
 # (49 against 32 splits of 256) were 3-8% slower, at T=4k level but for paged16 (12.3 against
-# 13.1 us at 32 splits) and fp8 (11.1 against 10.8).
+# 13.1 us at 32 splits) and fp8 (11.1 against 10.8). Measured at B=1 only: larger batches keep
+# the old plan unless their programs would leave half the SMs idle (B=2 at T=1k).
 SHORT_MIN_SPLIT_LEN = 128
 SHORT_MAX_SPLITS = 16
 MAX_SPLITS = 128
@@ -312,7 +315,8 @@ def kv_append_fwd(
 
 def num_splits_for(batch: int, h_kv: int, m_tiles: int, max_len: int, device: torch.device) -> int:
     """Default split-K factor: enough programs to fill the GPU, each split at least
-    MIN_SPLIT_LEN keys (SHORT_MIN_SPLIT_LEN for up to SHORT_MAX_SPLITS splits). (On CUDA the
+    MIN_SPLIT_LEN keys (SHORT_MIN_SPLIT_LEN, for up to SHORT_MAX_SPLITS splits, where that
+    would leave most SMs idle). (On CUDA the
     first decode of a class of decodes times this and a few counts that fill whole waves, and
     keeps the fastest if it beats this one by a margin: `_measured_num_splits`.)
 
@@ -327,7 +331,9 @@ def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int
                 programs_per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
     programs = max(1, batch * h_kv * m_tiles)
     by_occupancy = (programs_per_sm * sm_count) // programs
-    by_length = max(max_len // MIN_SPLIT_LEN, min(max_len // SHORT_MIN_SPLIT_LEN, SHORT_MAX_SPLITS))
+    by_length = max_len // MIN_SPLIT_LEN
+    if programs * by_length < sm_count // 2:  # most SMs idle: shorter splits (see SHORT_MIN_SPLIT_LEN)
+        by_length = max(by_length, min(max_len // SHORT_MIN_SPLIT_LEN, SHORT_MAX_SPLITS))
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 

@@ -106,9 +106,11 @@ LONG_ROW_RMS_BWD = _BwdPlan(32, 16384, 16)
 RESIDUAL_RMS_BWD_LONG_FROM = 8192
 GATED_RMS_BWD_LONG_FROM = 16384
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
-LAYER_NORM_BWD_REREAD = _BwdPlan(64, 16384, 8)  # rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS
 # ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
+# LayerNorm rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS (the rereading kernel): 8 warps, one
+# program per SM (H100 sweep: see LAYER_NORM_BWD_MAX_FUSED_COLS).
+LAYER_NORM_BWD_REREAD = _BwdPlan(64, 16384, 8)
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
 # per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and
@@ -233,8 +235,8 @@ def _fwd_grid(t: _Tile, n_rows: int, device: torch.device, loop: _Loop) -> tuple
 def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop, plan: _BwdPlan) -> tuple[int, int]:
     """(n_programs, rows_per_program) of a backward kernel. One tile: a persistent grid of at most
     plan.warps_per_sm warps per SM striding over BLOCK_M-row blocks (rows_per_program is 0,
-    unused); never more programs than blocks (the LayerNorm kernel loads its first block
-    before its loop). Wide: wide.programs_per_sm programs per SM, each owning rows_per_program
+    unused); never more programs than blocks (the prefetching LayerNorm kernel loads its
+    first block before its loop). Wide: wide.programs_per_sm programs per SM, each owning rows_per_program
     contiguous rows (the last program fewer)."""
     sms = runtime.sm_count(device)
     if t.one_tile:
@@ -257,8 +259,8 @@ def _bwd_programs(t: _Tile, n_rows: int, device: torch.device, wide: _Loop, plan
 
 # Recipes (`_rms_fwd_recipe`, ...) by launch-plan key (its first item names the launcher),
 # dropped when MAX_PLANS are held: a workload of ever-new shapes works each out once. The module
-# constants the recipes read (tiles, _BwdPlan, _Loop, *_MAX_FUSED_COLS) are not in the keys: code
-# that changes them empties _RECIPES.
+# constants the recipes read (tiles, _BwdPlan, _Loop, *_MAX_FUSED_COLS,
+# LAYER_NORM_BWD_PREFETCH_MAX_COLS) are not in the keys: code that changes them empties _RECIPES.
 _RECIPES: dict[tuple, tuple] = {}
 
 

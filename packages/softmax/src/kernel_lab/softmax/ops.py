@@ -47,8 +47,10 @@ BWD_MAX_FUSED_COLS = 8192
 # all tiles alternated over nine rounds; scratch): the forward at 1024 is level with or faster
 # than 2048 at every row length from 64 to 2048 columns (bf16 131072 x 1024: 179.2 against
 # 180.0 us, the config liger uses there; 64 to 256 columns 1-1.5 us faster), and 512 was 7-14%
-# slower below 1000 columns. The backward (three tensors) is level from 512 to 4096 at 1024
-# columns and more, 1.5% faster at 512 with 64 to 512 bf16 columns: it keeps 2048.
+# slower below 1000 columns. The backward (three tensors) was level from 512 to 4096 at 1024
+# columns and more (bf16 131072 x 1024: 266.3 us at 512 against 265.9 at 2048), 1-1.5% faster
+# at 512 with 64 to 128 columns (bf16 and float32) and with 256 to 512 bf16 columns: it keeps
+# 2048 until a second run confirms that short-row gain (one sweep so far, no stored history).
 FWD_ROWS_TILE = 1024
 BWD_ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
@@ -146,7 +148,7 @@ class _Plan:
 
 # Plans by their arguments: building one costs a few microseconds of host arithmetic and device
 # queries, a lookup well under one (a small call's latency is its host path). The module
-# constants _make_plan reads (SPLIT_*, LOOP_NUM_WARPS) are not in the key: code that
+# constants _make_plan reads (SPLIT_*, LOOP_NUM_WARPS, L2_LOOP_*) are not in the key: code that
 # changes them (the tests' small_blocks fixture) clears _PLANS. Plans are never modified.
 _PLANS: dict[tuple, _Plan] = {}
 _PLANS_MAX = 4096
@@ -156,7 +158,10 @@ def _plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int = 0,
 ) -> _Plan:
-    """l2_loop_elem_size: the element size of a forward's input (rows that fit L2_LOOP_ROW_BYTES
+    """The launch plan of one direction's kernels for (n_rows, n_cols) rows on `device`.
+
+    rows_tile: elements a program of the rows kernel holds (FWD_ROWS_TILE / BWD_ROWS_TILE).
+    l2_loop_elem_size: the element size of a forward's input (rows that fit L2_LOOP_ROW_BYTES
     may take the looped kernel with its L2 hints), 0 for the backward (never)."""
     key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps,
            l2_loop_elem_size)
