@@ -34,9 +34,10 @@ HISTORY = ROOT / "benchmarks" / "history"
 CPU_TEST_DEPS = [os.environ.get("KERNEL_LAB_TORCH", "torch==2.13.0"), "triton==3.6.0", "numpy<2.4", "pytest>=8"]
 PYTEST_FLAGS = ["-q", "-ra", "--import-mode=importlib"]
 # Optional test dependencies per package: installed where the index has them; where it does not,
-# the tests needing them skip with their reason instead of the session failing (norms: the
-# patch_hf test on a small transformers Llama).
-OPTIONAL_TEST_DEPS = {"norms": ["transformers>=4.40"]}
+# the tests needing them skip with their reason instead of the session failing (transformers:
+# the patch_hf tests on small randomly initialised Hugging Face models, and attention's HF
+# attention backend).
+OPTIONAL_TEST_DEPS = {package: ["transformers>=4.40"] for package in ("attention", "mlp", "norms")}
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
