@@ -2,6 +2,8 @@
 
 tests       CPU: per package, a fresh venv with only `shared` and that package installed;
             reference + interpret tiers (TRITON_INTERPRET=1). `nox -s "tests(package='softmax')"`.
+integration CPU: the tests that need two kernel packages in one venv (gemm + mlp patch_hf), which
+            skip in `tests`; run by .ci/run after it.
 gpu_tests   CUDA: the gpu and interpret tiers of every package against the machine's own torch
             and triton (`nox --no-venv -s gpu_tests` on a box whose python already has them).
 bench       pytest-benchmark over benchmarks/, history saved under benchmarks/history/<gpu-model>/;
@@ -102,11 +104,40 @@ def tests(session: nox.Session, package: str) -> None:
             env={"TRITON_INTERPRET": "1"},
         )
     finally:
-        location = getattr(session.virtualenv, "location", None)
-        if os.environ.get("KERNEL_LAB_DROP_VENVS") == "1" and location and Path(location).is_dir():
-            import shutil
+        _drop_venv(session)
 
-            shutil.rmtree(location, ignore_errors=True)
+
+# Tests that need two kernel packages in one environment. They skip in `tests`, whose venvs hold
+# one kernel package each (so that each is known to install and work alone).
+CROSS_PACKAGE_TESTS = {
+    "gemm": "tests/test_quantized.py::test_patch_hf_after_mlp_patch_hf_replaces_the_gated_mlp_projections",
+    "mlp": "tests/test_modules.py::test_patch_hf_combines_with_gemm_patch_hf_in_either_order",
+}
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """CROSS_PACKAGE_TESTS (interpret tier) in one fresh venv holding shared and their packages."""
+    try:
+        session.install(*CPU_TEST_DEPS)
+        session.install(_package_path("shared"), *(_package_path(p) for p in CROSS_PACKAGE_TESTS))
+        session.run("python", "-m", "pip", "install", "-q", "transformers>=4.40", success_codes=[0, 1])
+        # every package importable: otherwise the tests would skip and the session pass unseen
+        session.run("python", "-c", "; ".join(f"import kernel_lab.{p}" for p in CROSS_PACKAGE_TESTS))
+        for package, test in CROSS_PACKAGE_TESTS.items():
+            session.run("python", "-m", "pytest", *PYTEST_FLAGS, f"{_package_path(package)}/{test}", *session.posargs,
+                        env={"TRITON_INTERPRET": "1"})
+    finally:
+        _drop_venv(session)
+
+
+def _drop_venv(session: nox.Session) -> None:
+    """Delete the session's venv when KERNEL_LAB_DROP_VENVS=1 (.ci/run: the disk of one venv)."""
+    location = getattr(session.virtualenv, "location", None)
+    if os.environ.get("KERNEL_LAB_DROP_VENVS") == "1" and location and Path(location).is_dir():
+        import shutil
+
+        shutil.rmtree(location, ignore_errors=True)
 
 
 @nox.session(venv_params=["--system-site-packages"])
