@@ -110,8 +110,11 @@ def test_quantized_matmul_reference_backend(seed):
 # --- interpret tier ----------------------------------------------------------------------------
 
 
-def check_quantized(x, qw, bias=None):
-    out = quantized_matmul(x, qw, bias=bias, backend="triton")
+def check_quantized(x, qw, bias=None, out=None, name=None):
+    """quantized_matmul(x, qw) + bias (or `out`, computed otherwise from the same operands)
+    against the float64 reference, with the tolerance rule."""
+    if out is None:
+        out = quantized_matmul(x, qw, bias=bias, backend="triton")
     ref = reference.quantized_matmul(
         x, qw.qdata, qw.scales, qw.zeros, bits=qw.bits, group_size=qw.group_size, bias=bias
     )
@@ -119,7 +122,7 @@ def check_quantized(x, qw, bias=None):
     if bias is not None:
         base = base + bias
     assert out.dtype == x.dtype
-    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=f"int{qw.bits} matmul")
+    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=name or f"int{qw.bits} matmul")
 
 
 @pytest.mark.interpret
@@ -472,8 +475,4 @@ def test_quantized_linear_keeps_its_tensors_dtypes_under_module_casts(kernel_dev
     qw = QuantizedWeight(*(None if t is None else t.to(kernel_device) for t in (qw.qdata, qw.scales, qw.zeros)),
                          bits, 32, qw.shape, qw.dtype)
     x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
-    out = model(x)
-    ref = reference.quantized_matmul(x, qw.qdata, qw.scales, qw.zeros, bits=bits, group_size=32,
-                                     bias=bias.to(kernel_device))
-    base = x @ qw.dequantize().to(x.dtype).T + bias.to(kernel_device)
-    testing.assert_close_to_reference(out, ref, base, factor=FACTOR, name=f"QuantizedLinear after {cast}")
+    check_quantized(x, qw, bias.to(kernel_device), out=model(x), name=f"QuantizedLinear after {cast}")

@@ -87,6 +87,20 @@ def test_decode_speculative_queries_are_causal_among_themselves(kvh, kernel_devi
 
 
 @pytest.mark.interpret
+def test_decode_several_masked_tiles_in_one_split(kvh, kernel_device, seed, cache_kind):
+    """T_q = 8 queries end their keys at eight different positions, so with one split the tiles
+    after the last fully visible one run masked, several of them when the length lands just past
+    a tile boundary (38 and 70 with the interpreter's 32-key tiles): the block lookup carried
+    from one masked tile to the next (paged) must be the next tile's."""
+    lengths = [38, 70, 3]
+    cache = kvh.make_cache(cache_kind, batch=3, max_len=70, h_kv=2, d=16, dtype=torch.float16,
+                           device=kernel_device)
+    kvh.fill(cache, 0, lengths, dtype=torch.float16, seed=seed, prefill=70)
+    q = randn(3, 8, 4, 16, dtype=torch.float16, seed=seed + 2, device=kernel_device)
+    kvh.check_decode(decode_attention(q, cache, 0, num_splits=1), q, cache, 0)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("h_q,h_kv,d", [(16, 1, 16), (4, 2, 256)])
 def test_decode_eight_queries_per_sequence_and_wide_heads(kvh, kernel_device, seed, cache_kind, h_q, h_kv, d):
     """T_q = 8 (the most speculative tokens the issue asks for): MQA with 16 query heads packs

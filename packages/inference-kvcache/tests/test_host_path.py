@@ -116,6 +116,7 @@ class _FakeCompiled:
 
     def __init__(self, log, name):
         self.log, self.name = log, name
+        self.streams = []  # the stream of every direct launch
 
     def _init_handles(self):
         pass
@@ -125,6 +126,7 @@ class _FakeCompiled:
 
     def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
         self.log.append(("direct", self.name, (gx, gy, gz), params))
+        self.streams.append(stream)
 
 
 class _FakeJit:
@@ -160,7 +162,8 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
     monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kv_ops, "_current_raw_stream", lambda device: 0)
+    current_stream = 0x5EED  # a stand-in handle: a direct launch must pass the current stream
+    monkeypatch.setattr(kv_ops, "_current_raw_stream", lambda device: current_stream)
     cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
     for s in range(3):
         cache.allocate(s, 30)
@@ -177,6 +180,8 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     again = launches(q.clone())
     assert [x[:2] for x in again] == [("direct", "split"), ("direct", "merge")]
     assert [x[2:] for x in again] == [x[2:] for x in first]
+    split_fake, merge_fake = kv_ops._decode_split_kernel.fn.compiled, kv_ops._decode_merge_kernel.compiled
+    assert split_fake.streams == merge_fake.streams == [current_stream]
     with monkeypatch.context() as m:  # a launch hook (a profiler) is called by CompiledKernel[grid]
         m.setattr(kv_ops._knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
         hooked = launches(q.clone())

@@ -19,7 +19,6 @@ from .ops import FP8_DTYPE, QUERY_DTYPES, DecodeCache, _check_query, decode_chec
 
 CACHE_DTYPES = (*QUERY_DTYPES, FP8_DTYPE)
 IndexLike = Sequence[int] | torch.Tensor | None
-_EXACT_INT = frozenset((int,))
 # Device seq_ids tensors a cache keeps per distinct seq_ids list (oldest dropped first): every
 # layer of a decode step passes the same list, and a fresh host->device copy of pageable
 # memory synchronizes the stream.
@@ -290,7 +289,7 @@ class _CacheBase:
             # Exact ints only: 1.0, True or np.float64(1) hash and compare equal to 1, so they
             # would find the entry of [1] and pass where a first call refuses them (and an
             # unhashable entry would raise from the lookup, not from the check).
-            hit = memo.get(key) if set(map(type, key)) <= _EXACT_INT else None
+            hit = memo.get(key) if all(type(i) is int for i in key) else None
             if hit is not None and len(hit[0]) == bsz:
                 rows, seq_t, epoch = hit
                 if epoch != self._epoch:

@@ -712,12 +712,20 @@ def _launch_tuned(kernel, key: tuple, grid, args, meta: dict):
     return kernel.fn[grid](*args, **meta, **cfg)
 
 
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 # Direct launches of the compiled kernels (see _DirectLaunch); KERNEL_LAB_DIRECT_LAUNCH=0 turns
 # them off (every launch then goes through JITFunction.run). The two decode-test failures once
 # suspected on them came from the autotuner (see test_decode_paged_gives_the_contiguous_result)
-# and happened with them off as well.
+# and happened with them off as well. Only with the Triton versions CompiledKernel.run's calling
+# convention was checked against (runtime.DIRECT_LAUNCH_TRITON, as runtime.DirectLauncher).
 DIRECT_LAUNCH = (os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "1") == "1" and _knobs is not None
-                 and hasattr(_knobs.compilation, "instrumentation_mode"))
+                 and hasattr(_knobs.compilation, "instrumentation_mode")
+                 and _triton_version().startswith(runtime.DIRECT_LAUNCH_TRITON))
 
 
 def _compiled(ret):

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernel_lab.shared import reference
+
 from .ops import geglu, gelu_and_mul, silu_and_mul, swiglu
 
 __all__ = ["GatedMLP", "GeGLUMLP", "SwiGLUMLP", "patch_hf"]
@@ -205,9 +207,12 @@ def _packed_order_is_gate_up(module: nn.Module, gate_up: nn.Module, down: nn.Mod
     try:
         with torch.no_grad():
             got = module(probe)
-            gate, up = gate_up(probe).float().chunk(2, dim=-1)
-            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)
-            want = down((act * up).to(dtype)).float()
+            packed = gate_up(probe)
+            if activation == "silu":
+                act_and_mul = reference.silu_and_mul(packed, compute_dtype=torch.float32)
+            else:
+                act_and_mul = reference.gelu_and_mul(packed, approximate, compute_dtype=torch.float32)
+            want = down(act_and_mul.to(dtype)).float()
     except Exception:  # a forward we cannot run is one we do not replace
         return False
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
