@@ -185,6 +185,24 @@ def test_quantized_linear_module_and_strided_batched_input(kernel_device, seed):
     assert "bits=4" in repr(q) and q.compression > 3
 
 
+def test_quantized_linear_builds_its_weight_once_per_set_of_buffers(seed):
+    """forward reuses one QuantizedWeight (no per-call rebuild and checks) until a buffer is
+    replaced: a device move or an assignment gives the next call a weight over the new tensors."""
+    torch.manual_seed(seed)
+    q = QuantizedLinear.from_linear(nn.Linear(64, 24), bits=4, group_size=32, symmetric=False)
+    first = q.qweight
+    assert q.qweight is first and first.qdata is q.qdata and first.zeros is q.zeros
+    q.scales = q.scales.clone()
+    rebuilt = q.qweight
+    assert rebuilt is not first and rebuilt.scales is q.scales and rebuilt.qdata is q.qdata
+    q.to(torch.device("meta"))
+    moved = q.qweight
+    assert moved is not rebuilt and all(t.device.type == "meta" for t in (moved.qdata, moved.scales, moved.zeros))
+    with pytest.raises(ValueError, match="scales must be floating point"):
+        q.scales = torch.zeros(24, 2, dtype=torch.int32, device="meta")
+        q(torch.zeros(3, 64, device="meta"))
+
+
 @pytest.mark.interpret
 def test_patch_hf_replaces_linears(kernel_device, seed):
     torch.manual_seed(seed)
