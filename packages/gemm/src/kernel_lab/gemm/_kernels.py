@@ -418,6 +418,11 @@ def _gemv_kernel(
     the FMA rate on Hopper, and held the loop to 2.0-2.6 TB/s of codes on an H200): see
     _biased_code_floats; subtracting 2^23 + zero point (integers below 2^24) from 2^23 + byte
     is exact.
+
+    (Tried and dropped: loading the next step's weight tile before the current one is used,
+    registers double-buffered. H100, M = 1, the Llama-3-8B projections, rotated weight copies in
+    CUDA graphs, eight configs each (scratch): the best was 1-7% slower than the autotuned kernel
+    with bf16 weights and 16-23% slower with int8 codes.)
     """
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps = tl.cast(eps, tl.float32)
@@ -502,8 +507,18 @@ def _int4_gemv_kernel(
     The even and odd columns of x are loaded with stride-2 pointers, in another layout than the
     bytes': converting them costs a shared-memory round trip per step (offline sm_90 SASS:
     5.2-8 instructions per code in the loop; loading x's groups contiguously and splitting
-    them in registers did not remove the conversion). The loop stays bound by instructions,
-    not by the code bytes.
+    them in registers did not remove the conversion). The loop stays well under the code
+    bytes' bandwidth (47% of copy bandwidth at N = 14336 on an H100).
+
+    (Tried and dropped, H100, the Llama-3-8B projections, rotated weight copies in CUDA graphs,
+    scratch: a nested loop that applies each group's scale once to a per-group dot, 3.2-3.5
+    instead of 6 SASS instructions per code (offline sm_90a), was faster at K = 4096 with N =
+    6144 and 14336 (11.2 against 11.4 us, 19.5 against 22.4) but 8% and 18% slower at N = 4096
+    with K = 4096 and 14336: a second kernel for one shape class, still far from 3x cuBLAS.
+    Loading the next step's bytes before using the current ones (registers double-buffered) was
+    10-17% slower on all four, as in _gemv_kernel; a grid of 48 configs (rows, bytes a step,
+    warps, 1-2 stages) found nothing 3% faster than the autotuned pick. What bounds the loop is
+    not settled: neither fewer instructions nor more bytes in flight made it faster.)
 
     Dequantization is one FMA per code, exact: with a = 0.5 + code / 256 (_nibble_floats),
     a * (256 s) - (128 + zero) * s = (code - zero) * s. 256 s is exact (a power of two times a
