@@ -185,22 +185,51 @@ def test_quantized_linear_module_and_strided_batched_input(kernel_device, seed):
     assert "bits=4" in repr(q) and q.compression > 3
 
 
-def test_quantized_linear_builds_its_weight_once_per_set_of_buffers(seed):
-    """forward reuses one QuantizedWeight (no per-call rebuild and checks) until a buffer is
-    replaced: a device move or an assignment gives the next call a weight over the new tensors."""
+def test_quantized_linear_builds_its_weight_once_per_set_of_buffers(seed, monkeypatch):
+    """forward reuses one checked QuantizedWeight (no per-call rebuild) until something it was
+    built from changes: a buffer or format field assigned, a device move (which must not keep
+    the old tensors alive), a buffer's shape or dtype changed in place; non-contiguous buffers,
+    which need copies, are not held."""
+    import weakref
+
+    from kernel_lab.gemm import modules
+
+    builds = []
+    monkeypatch.setattr(modules, "QuantizedWeight", lambda *a: builds.append(1) or QuantizedWeight(*a))
     torch.manual_seed(seed)
-    q = QuantizedLinear.from_linear(nn.Linear(64, 24), bits=4, group_size=32, symmetric=False)
-    first = q.qweight
-    assert q.qweight is first and first.qdata is q.qdata and first.zeros is q.zeros
-    q.scales = q.scales.clone()
-    rebuilt = q.qweight
-    assert rebuilt is not first and rebuilt.scales is q.scales and rebuilt.qdata is q.qdata
+    q = QuantizedLinear.from_linear(nn.Linear(64, 24).half(), bits=4, group_size=32, symmetric=False)
+    x = testing.randn(3, 64, dtype=torch.float16, seed=seed)
+    first = q(x)
+    assert torch.equal(q(x), first) and len(builds) == 1 and q.qweight.qdata is q.qdata
+
+    q.load_state_dict(q.state_dict())  # in place, same tensors: the weight is rebuilt (and rechecked) once
+    q(x), q(x)
+    assert len(builds) == 2
+    q.scales = q.scales * 2  # an assigned buffer: the next call uses it
+    doubled = QuantizedWeight(q.qdata, q.scales, q.zeros, 4, 32, (24, 64), torch.float16)
+    check_quantized(x, doubled, q.bias.detach(), out=q(x), name="QuantizedLinear after a scales assignment")
+    assert len(builds) == 3
+    del doubled
+
+    old = weakref.ref(q.qdata)
     q.to(torch.device("meta"))
-    moved = q.qweight
-    assert moved is not rebuilt and all(t.device.type == "meta" for t in (moved.qdata, moved.scales, moved.zeros))
-    with pytest.raises(ValueError, match="scales must be floating point"):
-        q.scales = torch.zeros(24, 2, dtype=torch.int32, device="meta")
-        q(torch.zeros(3, 64, device="meta"))
+    assert old() is None, "a device move left the old codes alive"
+    assert q.qweight.qdata.device.type == "meta" and len(builds) == 4
+
+    q.group_size = 48  # a format field: rechecked
+    with pytest.raises(ValueError, match="group_size must divide K"):
+        _ = q.qweight
+    q.group_size = 32
+    assert q.qweight is q.qweight
+    q.scales.data = torch.zeros(24, 3, dtype=torch.float16, device="meta")  # another shape, in place: refused
+    with pytest.raises(ValueError, match="scales must be floating point of shape"):
+        _ = q.qweight
+
+    q = QuantizedLinear.from_linear(nn.Linear(64, 24).half(), bits=8, group_size=None)
+    q.qdata = q.qdata.t().contiguous().t()  # non-contiguous codes: copied by every build, not held
+    n = len(builds)
+    q(x), q(x)
+    assert len(builds) == n + 2
 
 
 @pytest.mark.interpret

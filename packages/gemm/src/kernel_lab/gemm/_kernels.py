@@ -512,9 +512,10 @@ def _int4_gemv_kernel(
 
     (Tried and dropped, H100, the Llama-3-8B projections, rotated weight copies in CUDA graphs,
     scratch: a nested loop that applies each group's scale once to a per-group dot, 3.2-3.5
-    instead of 6 SASS instructions per code (offline sm_90a), was faster at K = 4096 with N =
-    6144 and 14336 (11.2 against 11.4 us, 19.5 against 22.4) but 8% and 18% slower at N = 4096
-    with K = 4096 and 14336: a second kernel for one shape class, still far from 3x cuBLAS.
+    SASS instructions per code (offline sm_90a) against 6.0-6.8 for this kernel's autotuned
+    configs, was faster at K = 4096 with N = 6144 and 14336 (11.2 against 11.4 us, 19.5 against
+    22.4) but 8% and 18% slower at N = 4096 with K = 4096 and 14336: a second kernel for one
+    shape class, and at best 2.2x cuBLAS bf16 there (the issue's target is 3x).
     Loading the next step's bytes before using the current ones (registers double-buffered) was
     10-17% slower on all four, as in _gemv_kernel; a grid of 48 configs (rows, bytes a step,
     warps, 1-2 stages) found nothing 3% faster than the autotuned pick. What bounds the loop is

@@ -54,7 +54,22 @@ class QuantizedLinear(nn.Module):
         """Quantize `linear.weight` (see `quantize_weight` for bits / group_size / symmetric)."""
         return cls(quantize_weight(linear.weight, bits, group_size, symmetric), linear.bias)
 
+    # What the QuantizedWeight of `qweight` is built from: assigning any of these drops it.
+    _QWEIGHT_FIELDS = frozenset(("qdata", "scales", "zeros", "bits", "group_size", "weight_dtype",
+                                 "out_features", "in_features"))
+
+    def __setattr__(self, name, value):
+        if name in QuantizedLinear._QWEIGHT_FIELDS:
+            self.__dict__.pop("_qweight", None)
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # (a swap-tensors load puts new contents into the same tensor objects)
+        self.__dict__.pop("_qweight", None)
+        super()._load_from_state_dict(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_qweight", None)  # (else it would keep the moved-from tensors alive)
         # nn.Module's casts convert every floating tensor: bfloat16 re-rounded float16 scales
         # (other weights than the codes were computed for, a scale rounded down may push a code
         # past its range) and float64 ones, with a float64 bias, left a layer quantized_matmul
@@ -67,19 +82,33 @@ class QuantizedLinear(nn.Module):
 
     @property
     def qweight(self) -> QuantizedWeight:
-        """The buffers as one QuantizedWeight. Built (and checked) again only when a buffer is
-        another tensor than the one it holds (a device move, an assignment): building it on
-        every forward cost about 4 us of host time a call, which an eager decode step pays
-        once per layer and projection."""
-        qdata, scales, zeros = self._buffers["qdata"], self._buffers["scales"], self._buffers["zeros"]
+        """The buffers as one QuantizedWeight, checked as every QuantizedWeight is.
+
+        Built once and reused while its tensors are the module's buffers, with the same shapes
+        and dtypes: building it on every forward cost about 4 us of host time a call (CI
+        machine's CPU), which an eager decode step pays once per layer and projection.
+        Assigning a buffer or a format field, moving or casting the module and loading a state
+        dict drop it; so does a buffer's shape or dtype changed in place (`.data = ...`). Not
+        seen: a same-shape, same-dtype tensor of other strides put into a buffer in place
+        (`.data =`, `set_`); assign the buffer instead. Non-contiguous buffers are copied on
+        every call, as before, rather than held twice."""
+        buffers = self._buffers
+        try:
+            q, s, z = buffers["qdata"], buffers["scales"], buffers["zeros"]
+        except KeyError:  # one of them made a Parameter
+            q, s, z = self.qdata, self.scales, self.zeros
+        layout = (q.shape, q.dtype, s.shape, s.dtype) if z is None else (
+            q.shape, q.dtype, s.shape, s.dtype, z.shape, z.dtype)
         cached = self.__dict__.get("_qweight")
-        if cached is None or cached.qdata is not qdata or cached.scales is not scales or cached.zeros is not zeros:
-            cached = QuantizedWeight(
-                qdata, scales, zeros, self.bits, self.group_size, (self.out_features, self.in_features),
-                self.weight_dtype,
-            )
-            self.__dict__["_qweight"] = cached
-        return cached
+        if cached is not None:
+            qweight, cached_layout = cached
+            if qweight.qdata is q and qweight.scales is s and qweight.zeros is z and cached_layout == layout:
+                return qweight
+        qweight = QuantizedWeight(q, s, z, self.bits, self.group_size, (self.out_features, self.in_features),
+                                  self.weight_dtype)
+        if qweight.qdata is q and qweight.scales is s and qweight.zeros is z:  # no contiguous copies made
+            self.__dict__["_qweight"] = (qweight, layout)
+        return qweight
 
     @property
     def compression(self) -> float:

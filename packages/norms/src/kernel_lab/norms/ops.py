@@ -115,8 +115,9 @@ LAYER_NORM_BWD_REREAD = _BwdPlan(64, 16384, 8)
 # row's two dots over the whole row in 4096-column steps and then dx and the accumulators of its
 # own slice only (no spills: 112 registers at 16 warps for 8192-column slices, offline sm_90a).
 # H100, kernel only, graph replays alternated over nine rounds (scratch): 288-481 us at 4096 x
-# 16384 against 195 for this plan, 214-379 against 171 at 8192 x 8192; the siblings' repeated
-# reads of each row did not come from L2 fast enough.)
+# 16384 against 195 for this plan; at 8192 x 8192, 214-379 against 171 for the rereading kernel
+# with 16 warps (the launcher prefetches there instead). The siblings' repeated reads of each
+# row did not come from L2 fast enough.)
 # Warps of the one-tile LayerNorm forward, at most. At 16384 columns the row-tile heuristic's
 # 32 warps take 46 registers each (offline sm_90 compile), so only one 1024-thread program fits
 # per SM (two need at most 32 registers a thread) and nothing overlaps its load, reduce and

@@ -51,9 +51,9 @@ BWD_MAX_FUSED_COLS = 8192
 # columns and more (bf16 131072 x 1024: 266.3 us at 512 against 265.9 at 2048), 1-1.5% faster
 # at 512 with 64 to 128 columns (bf16 and float32) and with 256 to 512 bf16 columns: it keeps
 # 2048 until a second run confirms that short-row gain (one sweep so far, no stored history).
-# 8192 (session 7, H100, same method): 0.6-0.8% faster on 2**27 bf16 elements at 512-4096
-# columns (131072 x 1024: 264.2 against 265.8 us), but 11-14% slower on small or ragged inputs
-# (1024 x 1024, 256 x 4096, 32768 x 1000: fewer, larger programs): kept at 2048.
+# A backward tile of 8192 (H100, same method, later): 0.6-0.8% faster on 2**27 bf16 elements
+# at 512-4096 columns (131072 x 1024: 264.2 against 265.8 us), but 11-14% slower on small or
+# ragged inputs (1024 x 1024, 256 x 4096, 32768 x 1000: fewer, larger programs): kept at 2048.
 FWD_ROWS_TILE = 1024
 BWD_ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
