@@ -200,6 +200,7 @@ def test_quantized_linear_builds_its_weight_once_per_set_of_buffers(seed, monkey
     q = QuantizedLinear.from_linear(nn.Linear(64, 24).half(), bits=4, group_size=32, symmetric=False)
     x = testing.randn(3, 64, dtype=torch.float16, seed=seed)
     first = q(x)
+    check_quantized(x, q.qweight, q.bias.detach(), out=first, name="QuantizedLinear, first call")
     assert torch.equal(q(x), first) and len(builds) == 1 and q.qweight.qdata is q.qdata
 
     q.load_state_dict(q.state_dict())  # in place, same tensors: the weight is rebuilt (and rechecked) once

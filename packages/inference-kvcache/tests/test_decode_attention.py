@@ -448,4 +448,3 @@ def test_decode_and_append_run_on_the_cache_gpu_not_the_current_one(kvh, seed):
         q = randn(2, 8, 64, dtype=torch.bfloat16, seed=seed + 1, device="cuda:1")
         out = decode_attention(q, cache, 0)
     kvh.check_decode(out, q, cache, 0)
-

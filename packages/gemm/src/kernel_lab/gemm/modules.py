@@ -85,8 +85,8 @@ class QuantizedLinear(nn.Module):
         """The buffers as one QuantizedWeight, checked as every QuantizedWeight is.
 
         Built once and reused while its tensors are the module's buffers, with the same shapes
-        and dtypes: building it on every forward cost about 4 us of host time a call (CI
-        machine's CPU), which an eager decode step pays once per layer and projection.
+        and dtypes: building it on every forward cost about 4 us of host time a call (2-core CPU
+        machine like CI's), which an eager decode step pays once per layer and projection.
         Assigning a buffer or a format field, moving or casting the module and loading a state
         dict drop it; so does a buffer's shape or dtype changed in place (`.data = ...`). Not
         seen: a same-shape, same-dtype tensor of other strides put into a buffer in place
