@@ -43,18 +43,21 @@ FWD_MAX_FUSED_COLS = 16384
 BWD_MAX_FUSED_COLS = 8192
 # Elements one program of the rows kernels handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its launch and reduction latency.
-# H100 sweep of 512 to 4096 elements (2**27 bf16 / 2**26 float32 elements, CUDA-graph replays,
-# all tiles alternated over nine rounds; scratch): the forward at 1024 is level with or faster
-# than 2048 at every row length from 64 to 2048 columns (bf16 131072 x 1024: 179.2 against
-# 180.0 us, the config liger uses there; 64 to 256 columns 1-1.5 us faster), and 512 was 7-14%
-# slower below 1000 columns. The backward (three tensors) was level from 512 to 4096 at 1024
-# columns and more (bf16 131072 x 1024: 266.3 us at 512 against 265.9 at 2048), 1-1.5% faster
-# at 512 with 64 to 128 columns (bf16 and float32) and with 256 to 512 bf16 columns: it keeps
-# 2048 until a second run confirms that short-row gain (one sweep so far, no stored history).
+# Forward, H200 sweep of 1024, 2048 and 4096 (2**27 bf16 elements, the kernel launched directly,
+# CUDA-graph replays alternated over nine rounds, two fresh inputs a width; scratch): 2048 was
+# the fastest or level at every width from 64 to 8192 columns, 7% faster than 1024 at 512 and
+# 1024 columns (128.0 against 137.9 us at 131072 x 1024, where torch.compile took 128); only
+# ragged 1000-column rows preferred one row a program (151.8 against 157.4 us). An earlier H100
+# sweep of 512 to 4096 had 1024 level with 2048 at 1024 columns (179.2 against 180.0 us) and
+# 1-1.5 us faster at 64 to 256 columns: 2048 costs the H100 under 1% and gains the H200 7%.
+# The backward (three tensors) was level from 512 to 4096 at 1024 columns and more (bf16
+# 131072 x 1024 on an H100: 266.3 us at 512 against 265.9 at 2048), 1-1.5% faster at 512 with
+# 64 to 128 columns (bf16 and float32) and with 256 to 512 bf16 columns: it keeps 2048 until a
+# second run confirms that short-row gain (one sweep so far, no stored history).
 # A backward tile of 8192 (H100, same method, later): 0.6-0.8% faster on 2**27 bf16 elements
 # at 512-4096 columns (131072 x 1024: 264.2 against 265.8 us), but 11-14% slower on small or
 # ragged inputs (1024 x 1024, 256 x 4096, 32768 x 1000: fewer, larger programs): kept at 2048.
-FWD_ROWS_TILE = 1024
+FWD_ROWS_TILE = 2048
 BWD_ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
 # limit). A row may be cut into at most as many chunks as the GPU has SMs (kernel_lab.shared.coop),
