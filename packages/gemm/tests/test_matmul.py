@@ -396,6 +396,26 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_de
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_plans(seed, m):
+    """Eager decode launches are planned (runtime.DirectLauncher.planned, keys with
+    ops._tensor_key): calls of one shape whose operands differ in 16-byte alignment, bias and
+    activation follow one another under KERNEL_LAB_CHECK_PLANS (conftest.py), where a key naming
+    two calls that launch differently raises, and each result matches the reference. N = 96
+    leaves most SMs idle, so M = 16 and 64 split K (the reduce kernel's launches are planned too);
+    M = 1 is the GEMV."""
+    n, k = 96, 4096
+    a_buf = testing.randn(m * k + 8, dtype=torch.bfloat16, device="cuda", seed=seed)
+    w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 1, scale=k**-0.5)
+    bias_buf = testing.randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    for offset in (0, 1, 8):  # a 16-byte aligned, then not, then aligned again
+        a = a_buf[offset:offset + m * k].view(m, k)
+        for bias in (None, bias_buf[:n], bias_buf[1:]):
+            for activation in (None, "gelu"):
+                check(matmul(a, w.t(), bias=bias, activation=activation), a, w.t(), bias, activation)
+
+
+@pytest.mark.gpu
 def test_matmul_runs_on_the_operands_gpu_not_the_current_one(seed):
     """A model spread over GPUs (device_map="auto") calls with tensors on a non-current GPU."""
     if torch.cuda.device_count() < 2:

@@ -524,3 +524,21 @@ def test_quantized_linear_keeps_its_tensors_dtypes_under_module_casts(kernel_dev
                          bits, 32, qw.shape, qw.dtype)
     x = testing.randn(3, 64, dtype=torch.float16, device=kernel_device, seed=seed + 1)
     check_quantized(x, qw, bias.to(kernel_device), out=model(x), name=f"QuantizedLinear after {cast}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group_size", [(8, None), (8, 128), (4, 128)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_decode_calls_differing_in_alignment_and_bias_get_their_own_plans(seed, bits, group_size, m):
+    """The weight-only decode launches (the GEMVs at M = 1, the dequantizing kernel otherwise) are
+    planned: calls of one shape whose x and bias differ in 16-byte alignment follow one another
+    under KERNEL_LAB_CHECK_PLANS (conftest.py) and each result matches the reference."""
+    n, k = 96, 4096
+    qw = quantize_weight(testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed, scale=0.05), bits,
+                         group_size)
+    x_buf = testing.randn(m * k + 8, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    bias_buf = testing.randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
+    for offset in (0, 1, 8):  # x 16-byte aligned, then not, then aligned again
+        x = x_buf[offset:offset + m * k].view(m, k)
+        for bias in (None, bias_buf[:n], bias_buf[1:]):
+            check_quantized(x, qw, bias)

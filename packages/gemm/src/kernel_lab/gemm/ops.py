@@ -130,6 +130,20 @@ def _m_bucket(m: int) -> int:
     return min(runtime.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
 
 
+# Eager launches are planned launches (runtime.DirectLauncher.planned): a repeated call with an
+# equal key skips the autotuner's key, Triton's argument binder and its cache key. A key names
+# what the launch follows from: the device, the sizes and strides passed (Triton specialises
+# integers equal to 1 or multiples of 16), every flag, and each tensor argument's _tensor_key.
+# Outputs and workspaces are fresh torch.empty tensors (contiguous, aligned): their shapes follow
+# from the sizes, their dtype is in the key. KERNEL_LAB_CHECK_PLANS=1 (tests/conftest.py) checks
+# on every call that equal keys launch alike. Traced launches (inside the triton_ops) take no
+# key: their tensors may be fake, without a data_ptr.
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """A tensor argument's part of a launch-plan key: its dtype and 16-byte alignment (None when
+    absent: the launcher then passes a fresh tensor in its place)."""
+    return None if t is None else (t.dtype, t.data_ptr() % 16)
+
+
 @dataclass(frozen=True)
 class _SkinnyPlan:
     block_m: int
@@ -179,7 +193,12 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
     # layer's hidden size) launches as in eager mode.
     inv_k = float(1.0 / max(k, 1))
     dummy = c
-    runtime.launchable(_splitk_reduce_kernel, traced)[(runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))](
+    plan = None if traced else (
+        "reduce", c.device, n_splits, m, n, c.dtype, _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b),
+        None if scale_a is None else (scale_a.numel() == 1, scale_b.numel() == 1), ssq is not None, activation,
+    )
+    grid = (runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))
+    runtime.launchable(_splitk_reduce_kernel, traced, plan)[grid](
         ws, c, dummy if ssq is None else ssq,
         dummy if bias is None else bias,
         dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,
@@ -279,7 +298,7 @@ def _matmul_tma(a, b, c, bias_arg, sa, sb, stride_sa, stride_sb, common) -> None
     # descriptors' block shapes follow the config) and the grid.
     plan = (a.device, m, n, k, b_kmajor, a.dtype, a.stride(0), b.stride(0), b.stride(1), c.dtype, c.stride(0),
             a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, runtime.plan_arg_key(bias_arg),
-            *((t.dtype, t.data_ptr() % 16) for t in (sa, sb)), stride_sa, stride_sb, *common.values())
+            _tensor_key(sa), _tensor_key(sb), stride_sa, stride_sb, *common.values())
     runtime.launchable(kernel, False, plan)[grid](*args, B_KMAJOR=b_kmajor, NUM_SMS=sms, **common)
 
 
@@ -335,7 +354,12 @@ def matmul_fwd(
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
-        runtime.launchable(kernel, traced)[plan.grid(m, n)](
+        key = None if traced else (
+            "skinny", a.device, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _tensor_key(a),
+            _tensor_key(b), _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b), stride_sa, stride_sb,
+            out_dtype, activation,
+        )
+        runtime.launchable(kernel, traced, key)[plan.grid(m, n)](
             a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             stride_sa, stride_sb, ws.stride(0) if plan.split_k > 1 else 0, plan.k_per_split,
@@ -376,7 +400,12 @@ def _gemv(x, w, c, *, scales=None, zeros=None, norm_weight=None, eps=0.0, bias=N
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]),)
 
-    runtime.launchable(kernel, traced)[grid](
+    key = None if traced else (
+        "gemv", x.device, n, k, x.stride(1), w.stride(0), w.stride(1), _tensor_key(x), _tensor_key(w),
+        _tensor_key(scales), None if scales is None else scales.stride(0), _tensor_key(zeros),
+        _tensor_key(norm_weight), _tensor_key(bias), c.dtype, activation,
+    )
+    runtime.launchable(kernel, traced, key)[grid](
         x, w, c if scales is None else scales, c if zeros is None else zeros,
         c if norm_weight is None else norm_weight, c, c if bias is None else bias,
         n, k, x.stride(1), w.stride(0), w.stride(1), 0 if scales is None else scales.stride(0), c.stride(1), eps,
@@ -397,7 +426,12 @@ def _int4_gemv(x, qdata, scales, zeros, bias, c, group_size: int, interpret: boo
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]),)
 
-    runtime.launchable(kernel, traced)[grid](
+    key = None if traced else (
+        "int4_gemv", x.device, n, k, x.stride(1), qdata.stride(0), scales.stride(0), scales.stride(1),
+        _tensor_key(x), _tensor_key(qdata), _tensor_key(scales), _tensor_key(zeros), _tensor_key(bias), c.dtype,
+        group_size,
+    )
+    runtime.launchable(kernel, traced, key)[grid](
         x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias,
         n, k, x.stride(1), qdata.stride(0), scales.stride(0), scales.stride(1), c.stride(1),
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, USE_PRMT=not interpret, GROUP_SIZE=group_size,
@@ -454,7 +488,12 @@ def quantized_matmul_fwd(
         launch = {} if interpret else dict(num_warps=8, num_stages=3)
     ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), split_k)
-    runtime.launchable(_quantized_matmul_kernel, traced)[grid](
+    key = None if traced else (
+        "quantized", x.device, m, n, k, x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1),
+        scales.stride(0), scales.stride(1), _tensor_key(x), _tensor_key(qdata), _tensor_key(scales),
+        _tensor_key(zeros), _tensor_key(bias), bits, group_size,
+    )
+    runtime.launchable(_quantized_matmul_kernel, traced, key)[grid](
         x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
         m, n, k,
         x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
@@ -491,13 +530,19 @@ def rms_norm_linear_fwd(
     if m == 1 and weight.stride(1) == 1:
         _gemv(x, weight, c, norm_weight=g, eps=eps, bias=bias, interpret=interpret, traced=traced)
         return c
+
+    def key(path: str) -> tuple | None:  # the launch-plan key of the decode launches below
+        return None if traced else (path, x.device, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+                                    weight.stride(1), _tensor_key(x), _tensor_key(g), _tensor_key(weight),
+                                    _tensor_key(bias))
+
     extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
     k_align = INTERPRET_BLOCK if interpret else SKINNY_K_ALIGN
     if m <= RMS_NORM_LINEAR_DOT_SSQ_MAX_M:
         plan = _skinny_plan(m, n, k, x.device, k_align)
         if plan.split_k == 1:
             kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_decode
-            runtime.launchable(kernel, traced)[plan.grid(m, n)](
+            runtime.launchable(kernel, traced, key("ssq_by_dot"))[plan.grid(m, n)](
                 x, g, b, c, c, bias_arg, m, n, k, _m_bucket(m),
                 x.stride(0), x.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0, 0, k, eps,
                 HAS_BIAS=bias is not None, WRITE_PARTIAL=False, SSQ_BY_DOT=True, BLOCK_M=plan.block_m,
@@ -514,7 +559,7 @@ def rms_norm_linear_fwd(
         ssq = torch.empty((split, m), dtype=torch.float32, device=x.device)
         kernel = _rms_norm_linear_kernel if interpret else _rms_norm_linear_kernel_skinny
         tiles, _ = plan.grid(m, n)
-        runtime.launchable(kernel, traced)[(tiles + 1, split)](
+        runtime.launchable(kernel, traced, key("split"))[(tiles + 1, split)](
             x, g, b, ws, ssq, bias_arg, m, n, k, _m_bucket(m),
             x.stride(0), x.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             ws.stride(0), ssq.stride(0), plan.k_per_split, eps,
