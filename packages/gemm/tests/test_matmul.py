@@ -395,20 +395,27 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms(kernel_de
     testing.assert_double_backward_raises(lambda a, b: matmul(a, b, activation="silu"), *leaves)
 
 
+# Operand offsets (elements) of the launch-plan tests below: 16-byte aligned, not, aligned again,
+# not again. A call records its plan only once its specialisation is compiled (the first call of
+# one compiles it), so each variant has to come back after an aligned call has recorded its plan:
+# a key that left the alignment out would then name two calls that launch differently.
+PLAN_TEST_OFFSETS = (0, 1, 8, 1)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_plans(seed, m):
+@pytest.mark.parametrize("m,n", [(1, 96), (16, 96), (64, 96), (16, 2048)])
+def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_plans(seed, m, n):
     """Eager decode launches are planned (runtime.DirectLauncher.planned, keys with
     ops._tensor_key): calls of one shape whose operands differ in 16-byte alignment, bias and
     activation follow one another under KERNEL_LAB_CHECK_PLANS (conftest.py), where a key naming
-    two calls that launch differently raises, and each result matches the reference. N = 96
-    leaves most SMs idle, so M = 16 and 64 split K (the reduce kernel's launches are planned too);
-    M = 1 is the GEMV."""
-    n, k = 96, 4096
+    two calls that launch differently raises, and each result matches the reference. M = 1 is the
+    GEMV; N = 96 leaves most SMs idle, so M = 16 and 64 split K (the reduce kernel's launches are
+    planned too); N = 2048 at M = 16 does not split."""
+    k = 4096
     a_buf = testing.randn(m * k + 8, dtype=torch.bfloat16, device="cuda", seed=seed)
     w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 1, scale=k**-0.5)
     bias_buf = testing.randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
-    for offset in (0, 1, 8):  # a 16-byte aligned, then not, then aligned again
+    for offset in PLAN_TEST_OFFSETS:
         a = a_buf[offset:offset + m * k].view(m, k)
         for bias in (None, bias_buf[:n], bias_buf[1:]):
             for activation in (None, "gelu"):

@@ -538,7 +538,7 @@ def test_decode_calls_differing_in_alignment_and_bias_get_their_own_plans(seed, 
                          group_size)
     x_buf = testing.randn(m * k + 8, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
     bias_buf = testing.randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 2)
-    for offset in (0, 1, 8):  # x 16-byte aligned, then not, then aligned again
+    for offset in (0, 1, 8, 1):  # see test_matmul.PLAN_TEST_OFFSETS
         x = x_buf[offset:offset + m * k].view(m, k)
         for bias in (None, bias_buf[:n], bias_buf[1:]):
             check_quantized(x, qw, bias)

@@ -181,19 +181,21 @@ def test_rms_norm_linear_from_modules_rejects_offset_norms_and_keeps_eps_zero():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_decode_calls_differing_in_alignment_and_bias_get_their_own_plans(seed, m):
-    """The decode launches (the GEMV at M = 1, the one-launch kernel at M <= 16, the split kernel
-    and its reduce at M = 64) are planned: calls of one shape whose x, norm weight and bias differ
-    in 16-byte alignment follow one another under KERNEL_LAB_CHECK_PLANS (conftest.py) and each
-    result matches the reference."""
-    n, k = 96, 4096
+@pytest.mark.parametrize("m,n", [(1, 96), (16, 2048), (64, 96)])
+def test_decode_calls_differing_in_alignment_and_bias_get_their_own_plans(seed, m, n):
+    """The decode launches (the GEMV at M = 1, the one-launch kernel at M = 16 where K is not
+    split, the split kernel and its reduce at M = 64) are planned: calls of one shape whose x,
+    norm weight and bias differ in 16-byte alignment, one at a time, follow one another under
+    KERNEL_LAB_CHECK_PLANS (conftest.py) and each result matches the reference. Each misaligned
+    variant comes back after an aligned call has recorded its plan (see
+    test_matmul.PLAN_TEST_OFFSETS)."""
+    k = 4096
     x_buf = testing.randn(m * k + 8, dtype=torch.bfloat16, device="cuda", seed=seed)
-    g_buf = testing.randn(k + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    g_buf = testing.randn(k + 8, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
     w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 2, scale=k**-0.5)
     bias_buf = testing.randn(n + 1, dtype=torch.bfloat16, device="cuda", seed=seed + 3)
-    for offset in (0, 1, 8):  # x and g 16-byte aligned, then not, then aligned again
-        x = x_buf[offset:offset + m * k].view(m, k)
-        g = g_buf[offset % 2:offset % 2 + k]
+    for x_offset, g_offset in ((0, 0), (1, 0), (0, 1), (8, 8), (1, 0), (0, 1)):
+        x = x_buf[x_offset:x_offset + m * k].view(m, k)
+        g = g_buf[g_offset:g_offset + k]
         for bias in (None, bias_buf[:n], bias_buf[1:]):
             check(x, g, w, bias=bias)

@@ -130,7 +130,9 @@ def _m_bucket(m: int) -> int:
     return min(runtime.next_power_of_2(max(m, 1)), M_BUCKET_CAP)
 
 
-# Eager launches are planned launches (runtime.DirectLauncher.planned): a repeated call with an
+# Eager decode launches and the TMA prefill kernel's are planned launches
+# (runtime.DirectLauncher.planned; `_launch_prefill`, the pointer kernels' prefill path, is not
+# yet): a repeated call with an
 # equal key skips the autotuner's key, Triton's argument binder and its cache key. A key names
 # what the launch follows from: the device, the sizes and strides passed (Triton specialises
 # integers equal to 1 or multiples of 16), every flag, and each tensor argument's _tensor_key.
@@ -193,12 +195,12 @@ def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=
     # layer's hidden size) launches as in eager mode.
     inv_k = float(1.0 / max(k, 1))
     dummy = c
-    plan = None if traced else (
+    key = None if traced else (
         "reduce", c.device, n_splits, m, n, c.dtype, _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b),
         None if scale_a is None else (scale_a.numel() == 1, scale_b.numel() == 1), ssq is not None, activation,
     )
     grid = (runtime.cdiv(m, block_m), runtime.cdiv(n, REDUCE_BLOCK_N))
-    runtime.launchable(_splitk_reduce_kernel, traced, plan)[grid](
+    runtime.launchable(_splitk_reduce_kernel, traced, key)[grid](
         ws, c, dummy if ssq is None else ssq,
         dummy if bias is None else bias,
         dummy if scale_a is None else scale_a, dummy if scale_b is None else scale_b,

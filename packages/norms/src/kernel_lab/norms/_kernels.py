@@ -68,14 +68,9 @@ def _rms_load_input(
 
 
 @triton.jit
-def _affine_values(ptr, cols, n_cols, PRESENT: tl.constexpr):
-    """The weight of these columns in float32, 0.0 where absent (the caller's flag then leaves it
-    unused). The one-tile RMSNorm forward loads it before the tile's row reduction, not after: the
-    load's latency (an L2 hit) then overlaps the tile's instead of following the reduction. H200,
-    bf16, 2**26 elements, CUDA-graph replays alternated, one run before and two after, two trials
-    each (scratch): 16384 x 4096 66.2-66.5 -> 64.4-65.4 us (Liger 64.6-65.4), 8192 x 8192
-    65.8-66.2 -> 64.4-65.1 (torch.compile 65.2-66.0), 4096 x 16384 68.0-68.1 -> 66.0-66.6 (Liger
-    66.5-67.2)."""
+def _rms_weight_values(ptr, cols, n_cols, PRESENT: tl.constexpr):
+    """RMSNorm's weight of these columns in float32, 0.0 where absent (the caller's flag then
+    leaves it unused)."""
     if PRESENT:
         return tl.load(ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     else:
@@ -89,7 +84,7 @@ def _rms_store_output(
     HAS_WEIGHT: tl.constexpr,
     HAS_GATE: tl.constexpr,
 ):
-    """y = x * rstd * (offset + w) * silu(gate), stored in y's dtype; w: `_affine_values`."""
+    """y = x * rstd * (offset + w) * silu(gate), stored in y's dtype; w: `_rms_weight_values`."""
     y = x * rstd[:, None]
     if HAS_WEIGHT:
         y = y * (offset + w)[None, :]
@@ -120,10 +115,22 @@ def _rms_norm_fwd_kernel(
         row_mask = rows < n_rows
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        w = _affine_values(w_ptr, cols, n_cols, HAS_WEIGHT)
+        # The weight is loaded before the row reduction, not after: its load's latency (an L2
+        # hit) then overlaps the tile's instead of following the reduction. H200, bf16, 2**26
+        # elements, CUDA-graph replays alternated, one run before and two after (scratch):
+        # 16384 x 4096 66.2-66.5 -> 64.4-65.4 us (Liger 64.6-65.4), 8192 x 8192 65.8-66.2 ->
+        # 64.4-65.1 (torch.compile 65.2-66.0), 4096 x 16384 68.0-68.1 -> 66.0-66.6 (Liger
+        # 66.5-67.2). Not with a gate, which the tile also holds: the gated forward at
+        # 16384 x 4096 went from 101.1 to 107.0 us so (H200 histories 0081, 0082).
+        if HAS_GATE:
+            w = 0.0
+        else:
+            w = _rms_weight_values(w_ptr, cols, n_cols, HAS_WEIGHT)
         x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
                             stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, True, EVICTION="")
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        if HAS_GATE:
+            w = _rms_weight_values(w_ptr, cols, n_cols, HAS_WEIGHT)
         _rms_store_output(x, rstd, w, gate_ptr, y_ptr, rows, cols, mask, offset,
                           stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -149,7 +156,7 @@ def _rms_norm_fwd_kernel(
                 # as the one-tile path, so the result does not depend on the row length
                 x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
                                     stride_x_row, stride_res_row, stride_u_row, HAS_RESIDUAL, False, EVICTION="")
-                w = _affine_values(w_ptr, cols, n_cols, HAS_WEIGHT)
+                w = _rms_weight_values(w_ptr, cols, n_cols, HAS_WEIGHT)
                 _rms_store_output(x, rstd, w, gate_ptr, y_ptr, rows, cols, mask, offset,
                                   stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
             tl.store(rstd_ptr + rows, rstd)
@@ -200,7 +207,7 @@ def _rms_norm_fwd_coop_kernel(
         mask = (cols < end)[None, :]
         x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask, stride_x_row, stride_res_row, stride_u_row,
                             HAS_RESIDUAL, False, EVICTION="evict_first")
-        w = _affine_values(w_ptr, cols, n_cols, HAS_WEIGHT)
+        w = _rms_weight_values(w_ptr, cols, n_cols, HAS_WEIGHT)
         _rms_store_output(x, rstd, w, gate_ptr, y_ptr, rows, cols, mask, offset,
                           stride_gate_row, stride_y_row, HAS_WEIGHT, HAS_GATE)
     if split == 0:

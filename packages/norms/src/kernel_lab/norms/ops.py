@@ -72,9 +72,11 @@ LAYER_NORM_BWD_PREFETCH_MAX_COLS = 8192
 # Elements one program of a one-tile forward handles: short rows are batched BLOCK_M at a time
 # so that each program still moves enough bytes to hide its reduction latency. 2048 (4096
 # before) changes the tiles of rows up to 2048 columns only (wider rows take one row a program
-# either way): one 2048-column row over 4 warps instead of two over 8. H200 sweep (bf16,
-# 32768 x 2048, CUDA-graph replays alternated, two trials; scratch): LayerNorm 65.1 / 64.9
-# against 67.7 / 67.5 us (Liger 74.5), RMSNorm 64.3 / 64.0 against 64.5 / 66.0 (Liger 69.0).
+# either way): a 2048-column row runs one a program over 4 warps instead of two over 8, and
+# narrower rows half as many a program as before. H200, bf16, 32768 x 2048, CUDA-graph replays
+# alternated, two trials, the launcher before and after (scratch): LayerNorm 67.5-67.7 ->
+# 64.3-64.8 us (Liger 74.0-74.5), RMSNorm 64.5-66.0 -> 63.6-63.7 (Liger 68.4-69.4). Rows
+# narrower than 2048 columns were not measured.
 ROWS_TILE = 2048
 
 

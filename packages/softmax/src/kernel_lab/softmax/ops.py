@@ -49,7 +49,9 @@ BWD_MAX_FUSED_COLS = 8192
 # 1024 columns (128.0 against 137.9 us at 131072 x 1024, where torch.compile took 128); only
 # ragged 1000-column rows preferred one row a program (151.8 against 157.4 us). An earlier H100
 # sweep of 512 to 4096 had 1024 level with 2048 at 1024 columns (179.2 against 180.0 us) and
-# 1-1.5 us faster at 64 to 256 columns: 2048 costs the H100 under 1% and gains the H200 7%.
+# 1-1.5 us faster at 64 to 256 columns; in the H100 benchmark 131072 x 1024 bf16 took 183.3 us
+# with 2048 (history 0021, 0.99x Liger) against 180.2 with 1024 (0017, 1.00x): 2048 costs the
+# H100 about 1-2% there and gains the H200 7%.
 # The backward (three tensors) was level from 512 to 4096 at 1024 columns and more (bf16
 # 131072 x 1024 on an H100: 266.3 us at 512 against 265.9 at 2048), 1-1.5% faster at 512 with
 # 64 to 128 columns (bf16 and float32) and with 256 to 512 bf16 columns: it keeps 2048 until a
