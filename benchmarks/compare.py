@@ -4,12 +4,12 @@
     python benchmarks/compare.py 0008 0009                      # runs by number, name or path
     python benchmarks/compare.py --model nvidia-h200 --fail-above 5
 
-Rows are matched by their pytest id (`fullname`). A row's noise is read from its own spread in
-both runs: noise % = max(IQR / median of the old row, IQR / median of the new row) x 100 (each
-row's rounds are repeated timings of the same call), never below --noise-floor (default 1%: the
-spread within one run underestimates run-to-run drift such as clocks and placement). A row
-"moved" when |change| > noise; a
-kernel_lab row "regressed" when it got slower by more than the noise AND by more than
+Rows are matched by their pytest id (`fullname`, a renamed benchmark file under its current
+name: report.row_id). A row's noise is read from its own spread in both runs: noise % =
+max(IQR / median of the old row, IQR / median of the new row) x 100 (each row's rounds are
+repeated timings of the same call), never below --noise-floor (default 1%: the spread within one
+run underestimates run-to-run drift such as clocks and placement). A row "moved" when |change| >
+noise; a kernel_lab row "regressed" when it got slower by more than the noise AND by more than
 --fail-above PCT, and then the exit status is 1.
 """
 
@@ -56,10 +56,10 @@ def spread(row: dict) -> float:
 
 
 def compare(old: report.Run, new: report.Run, floor: float = 1.0) -> list[dict]:
-    old_rows = {b["fullname"]: b for b in old.data["benchmarks"]}
+    old_rows = {report.row_id(b): b for b in old.data["benchmarks"]}
     out = []
     for b in new.data["benchmarks"]:
-        a = old_rows.get(b["fullname"])
+        a = old_rows.get(report.row_id(b))
         if a is None:
             continue
         m_old, m_new = a["stats"]["median"], b["stats"]["median"]

@@ -1,4 +1,4 @@
-"""pytest-benchmark glue for every benchmarks/test_<package>.py (GPU only).
+"""pytest-benchmark glue for every benchmarks/test_<package>.py (test_decode.py: kvcache) (GPU only).
 
 - Every round is timed with `kernel_lab.shared.bench.cuda_timer` (pass it as
   `--benchmark-timer`; `nox -s bench` does).

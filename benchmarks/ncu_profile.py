@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles"
-FILES = {"kvcache": "test_kvcache.py", "inference-kvcache": "test_kvcache.py", "optim-adamw": "test_adamw.py",
+FILES = {"kvcache": "test_decode.py", "inference-kvcache": "test_decode.py", "optim-adamw": "test_adamw.py",
          "adamw": "test_adamw.py"}
 
 # (label, candidate raw metric names in order of preference, how to show the value)
