@@ -132,10 +132,10 @@ def _m_bucket(m: int) -> int:
 
 # Eager decode launches and the TMA prefill kernel's are planned launches
 # (runtime.DirectLauncher.planned; `_launch_prefill`, the pointer kernels' prefill path, is not
-# yet): a repeated call with an
-# equal key skips the autotuner's key, Triton's argument binder and its cache key. A key names
-# what the launch follows from: the device, the sizes and strides passed (Triton specialises
-# integers equal to 1 or multiples of 16), every flag, and each tensor argument's _tensor_key.
+# yet): a repeated call with an equal key skips the autotuner's key, Triton's argument binder
+# and its cache key. A key names what the launch follows from: the device, the sizes and strides
+# passed (Triton specialises integers equal to 1 or multiples of 16), every flag, and each tensor
+# argument's _tensor_key.
 # Outputs and workspaces are fresh torch.empty tensors (contiguous, aligned): their shapes follow
 # from the sizes, their dtype is in the key. KERNEL_LAB_CHECK_PLANS=1 (tests/conftest.py) checks
 # on every call that equal keys launch alike. Traced launches (inside the triton_ops) take no
