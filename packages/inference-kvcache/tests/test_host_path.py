@@ -107,26 +107,38 @@ def test_host_length_mirror_follows_append_reset_and_free(seed):
 # direct launches of the compiled kernels (CUDA only): faked here, kernels recorded not run
 
 
+class _FakeLauncher:
+    """Stands in for a CompiledKernel's launcher (`CompiledKernel.run`): its C launch function
+    `launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *all_params)` records a "direct"
+    launch."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def launch(self, gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+               packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
+        c = self.compiled
+        assert function is c.function and packed_metadata is c.packed_metadata
+        c.log.append(("direct", c.name, (gx, gy, gz), params))
+        c.streams.append(stream)
+
+
 class _FakeCompiled:
-    """Stands in for a triton CompiledKernel: `kernel.run(*grid, stream, function, metadata,
-    launch_metadata, enter_hook, exit_hook, *all_params)` ("direct") and `kernel[grid](*all_params)`
-    ("hooked") record the launch."""
+    """Stands in for a triton CompiledKernel returned by a JIT launch."""
 
     packed_metadata = function = object()
 
     def __init__(self, log, name):
         self.log, self.name = log, name
         self.streams = []  # the stream of every direct launch
+        self.run = _FakeLauncher(self)
 
-    def _init_handles(self):
-        pass
-
-    def __getitem__(self, grid):  # the launch while launch hooks are installed
-        return lambda *params: self.log.append(("hooked", self.name, grid, params))
-
-    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
-        self.log.append(("direct", self.name, (gx, gy, gz), params))
-        self.streams.append(stream)
+    def __getitem__(self, grid):
+        raise AssertionError("launches go through the JIT function or the C launch function")
 
 
 class _FakeJit:
@@ -148,9 +160,25 @@ class _FakeJit:
         return lambda *args, **kw: self.run(*args, grid=grid, warmup=False, **kw)
 
 
-def _described(params):
-    """Launch parameters with tensors as (shape, stride, dtype): fresh outputs compare equal."""
-    return tuple((tuple(p.shape), p.stride(), p.dtype) if isinstance(p, torch.Tensor) else p for p in params)
+def _assert_same_launches(jit, direct, persistent):
+    """`direct` launches the kernels of `jit` (launch logs) with the same grids and parameters,
+    tensors passed as their addresses: those of `persistent` (the cache's own tensors) equal,
+    those of the per-call tensors (q, the output, the split scratch) free to differ."""
+    assert [(how, name) for how, name, _, _ in direct] == [("direct", name) for _, name, _, _ in jit]
+    for (_, name, grid, params), (_, _, direct_grid, direct_params) in zip(jit, direct, strict=True):
+        assert direct_grid == grid and len(direct_params) == len(params), name
+        for i, (p, d) in enumerate(zip(params, direct_params, strict=True)):
+            if isinstance(p, torch.Tensor):
+                assert type(d) is int, (name, i)
+                if p.data_ptr() in persistent:
+                    assert d == p.data_ptr(), (name, i)
+            else:
+                assert d == p, (name, i)
+
+
+def _position(params, tensor) -> int:
+    """Index of the first parameter that is `tensor` itself."""
+    return next(i for i, p in enumerate(params) if p is tensor)
 
 
 def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, seed):
@@ -162,31 +190,40 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
     monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     current_stream = 0x5EED  # a stand-in handle: a direct launch must pass the current stream
     monkeypatch.setattr(kv_ops, "_current_raw_stream", lambda device: current_stream)
+    scratch = {}  # the split scratch of each (device, stream, thread) key, on the CPU here
+    monkeypatch.setattr(kv_ops, "_split_scratch", lambda n, device, stream: scratch.setdefault(
+        (device, stream), torch.empty(n, dtype=torch.float32)))
     cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
     for s in range(3):
         cache.allocate(s, 30)
-    cache._decode_cache(0).is_cuda = True  # what a CUDA cache has
+    dc = cache._decode_cache(0)
+    dc.is_cuda = True  # what a CUDA cache has
+    persistent = {t.data_ptr() for t in (dc.k_cache, dc.v_cache, dc.lengths, dc.block_table)}
     q = randn(3, 8, 16, dtype=torch.float16, seed=seed)
 
     def launches(q, **kw):
         log.clear()
         decode_attention(q, cache, 0, num_splits=3, **kw)
-        return [(how, name, grid, _described(params)) for how, name, grid, params in log]
+        return list(log)
 
     first = launches(q)
     assert [x[:2] for x in first] == [("jit", "split"), ("jit", "merge")]
     again = launches(q.clone())
-    assert [x[:2] for x in again] == [("direct", "split"), ("direct", "merge")]
-    assert [x[2:] for x in again] == [x[2:] for x in first]
+    _assert_same_launches(first, again, persistent)
     split_fake, merge_fake = kv_ops._decode_split_kernel.fn.compiled, kv_ops._decode_merge_kernel.compiled
     assert split_fake.streams == merge_fake.streams == [current_stream]
-    with monkeypatch.context() as m:  # a launch hook (a profiler) is called by CompiledKernel[grid]
+    # the split kernel writes the scratch the merge reads, and the merge writes the output
+    (_, _, _, split_params), (_, _, _, merge_params) = again
+    jit_split, jit_merge = first[0][3], first[1][3]
+    assert merge_params[0] == split_params[_position(jit_split, jit_merge[0])]
+    assert merge_params[2] == split_params[_position(jit_split, jit_merge[2])]
+    with monkeypatch.context() as m:  # a launch hook (a profiler): JITFunction.run calls it
         m.setattr(kv_ops._knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
         hooked = launches(q.clone())
-    assert [x[:2] for x in hooked] == [("hooked", "split"), ("hooked", "merge")]
-    assert [x[2:] for x in hooked] == [x[2:] for x in first]
+    assert [x[:2] for x in hooked] == [("jit", "split"), ("jit", "merge")]
     # Anything the JIT specializes on that the fingerprint does not pin goes through it again:
     # a q that is not 16-byte aligned, other q strides, other seq_ids, another num_splits.
     misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
@@ -195,7 +232,10 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     strided = torch.empty(3, 8, 32, dtype=q.dtype)[..., :16].copy_(q)
     assert launches(strided)[0][0] == "jit"
     assert launches(q, seq_ids=[2, 1, 0])[0][0] == "jit"
-    assert launches(q, seq_ids=[2, 1, 0])[0][0] == "direct"
+    with_ids = launches(q, seq_ids=[2, 1, 0])
+    assert with_ids[0][0] == "direct"
+    seq_ids_param = _position(first[0][3], dc.lengths) + 1  # (seq_ids follows lengths)
+    assert with_ids[0][3][seq_ids_param] not in persistent  # the seq_ids tensor, not the stand-in
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
     assert [x[0] for x in launches(q)] == ["jit", "jit"]
 
@@ -204,7 +244,6 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
 def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkeypatch):
     import triton.testing
 
-    monkeypatch.setattr(kv_ops, "_MEASURED_SPLITS", {})
     monkeypatch.setattr(kv_ops, "_MEASURED_PROGRAMS_PER_SM", {})
     # (a suite run with KERNEL_LAB_KVCACHE_AUTOTUNE=0, which turns the measurement off)
     monkeypatch.delenv("KERNEL_LAB_KVCACHE_AUTOTUNE", raising=False)
@@ -229,16 +268,15 @@ def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkey
     assert len(timed) == kv_ops.SPLIT_MEASURE_ROUNDS * len(set(candidates.values()))
     assert len(set(candidates.values())) > 1
     (per_sm,) = kv_ops._MEASURED_PROGRAMS_PER_SM.values()
-    (splits,) = kv_ops._MEASURED_SPLITS.values()
-    assert splits == candidates[per_sm]
-    assert torch.equal(decode_attention(q, cache, 0), decode_attention(q, cache, 0, num_splits=splits))
+    # the default decode runs the measured split count (another count rounds differently)
+    assert torch.equal(decode_attention(q, cache, 0), decode_attention(q, cache, 0, num_splits=candidates[per_sm]))
     # batch 3 (24 unsplit programs) is in batch 2's class (16 to 31): its split count follows
     # from the measured programs per SM, without timing again
     q3 = randn(3, 32, 128, dtype=torch.bfloat16, seed=seed + 2, device="cuda")
     kvh.check_decode(decode_attention(q3, cache, 0), q3, cache, 0)
     assert len(timed) == kv_ops.SPLIT_MEASURE_ROUNDS * len(set(candidates.values()))
-    assert kv_ops._MEASURED_SPLITS[max(kv_ops._MEASURED_SPLITS, key=lambda k: k[0][0])] == kv_ops._num_splits(
-        3, 8, 1, 32768, sms, per_sm)
+    assert torch.equal(decode_attention(q3, cache, 0),
+                       decode_attention(q3, cache, 0, num_splits=kv_ops._num_splits(3, 8, 1, 32768, sms, per_sm)))
 
 
 def test_default_split_counts():

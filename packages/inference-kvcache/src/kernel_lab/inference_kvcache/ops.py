@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 from torch.library import custom_op
@@ -337,10 +338,8 @@ def _num_splits(batch: int, h_kv: int, m_tiles: int, max_len: int, sm_count: int
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-# Programs per SM measured for a class of decodes (see _measured_num_splits), and the split
-# count that gives for each exact shape.
+# Programs per SM measured for each class of decodes (see _measured_num_splits).
 _MEASURED_PROGRAMS_PER_SM: dict[tuple, int] = {}
-_MEASURED_SPLITS: dict[tuple, int] = {}
 
 
 def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int, max_len: int) -> int:
@@ -356,43 +355,40 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
     the default and the split counts of SPLIT_WAVE_CANDIDATES programs per SM, each autotuned
     as usual, with triton.testing.do_bench in SPLIT_MEASURE_ROUNDS interleaved rounds (so it
     takes seconds), and keeps the programs per SM of the fastest (best round) if it beats the
-    default by the SPLIT_MIN_GAIN margin, else the default's, for the class: a batch size seen
-    first later in the class costs nothing. Off CUDA, under the
-    interpreter, while a CUDA graph is captured, while torch.compile traces, or with
-    KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan (SPLIT_PROGRAMS_PER_SM) is used.
+    default by the SPLIT_MIN_GAIN margin, else the default's, for the class: later decodes of
+    the class (another batch size, a sequence grown by a token) only derive their split count
+    from it. Off CUDA, under the interpreter, while a CUDA graph is captured, while
+    torch.compile traces, or with KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan
+    (SPLIT_PROGRAMS_PER_SM) is used.
     """
-    key = (q.shape, q.dtype, c.dtype, c.h_kv, c.paged, c.page_size, seq_ids is not None, max_len, c.device)
-    splits = _MEASURED_SPLITS.get(key)
-    if splits is not None:
-        return splits
     bsz, sms = q.shape[0], c.sm_count()
     programs = max(1, bsz * c.h_kv * m_tiles)
-    if (not c.is_cuda or runtime.interpret_mode() or torch.compiler.is_compiling()
-            or torch.cuda.is_current_stream_capturing() or os.environ.get("KERNEL_LAB_KVCACHE_AUTOTUNE", "1") == "0"):
-        return _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
     klass = (q.dtype, c.dtype, c.d, c.paged, c.page_size, seq_ids is not None, programs.bit_length(),
              max_len.bit_length(), c.device)
     per_sm = _MEASURED_PROGRAMS_PER_SM.get(klass)
-    if per_sm is None:
-        from triton.testing import do_bench
+    if per_sm is not None:
+        return _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
+    if (not c.is_cuda or runtime.interpret_mode() or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing() or os.environ.get("KERNEL_LAB_KVCACHE_AUTOTUNE", "1") == "0"):
+        return _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+    from triton.testing import do_bench
 
-        by_splits: dict[int, int] = {}  # split count -> the first programs-per-SM giving it
-        for p in (SPLIT_PROGRAMS_PER_SM, *SPLIT_WAVE_CANDIDATES):
-            by_splits.setdefault(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p), p)
-        if len(by_splits) == 1:  # every candidate gives the same split count: nothing to time
-            (per_sm,) = by_splits.values()
-        else:
-            best: dict[int, float] = {}
-            for _ in range(SPLIT_MEASURE_ROUNDS):
-                for n in by_splits:
-                    t = do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
-                    best[n] = min(best.get(n, t), t)
-            default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
-            fastest = min(best, key=best.get)
-            per_sm = by_splits[fastest if best[fastest] < SPLIT_MIN_GAIN * best[default] else default]
-        _MEASURED_PROGRAMS_PER_SM[klass] = per_sm
-    splits = _MEASURED_SPLITS[key] = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
-    return splits
+    by_splits: dict[int, int] = {}  # split count -> the first programs-per-SM giving it
+    for p in (SPLIT_PROGRAMS_PER_SM, *SPLIT_WAVE_CANDIDATES):
+        by_splits.setdefault(_num_splits(bsz, c.h_kv, m_tiles, max_len, sms, p), p)
+    if len(by_splits) == 1:  # every candidate gives the same split count: nothing to time
+        (per_sm,) = by_splits.values()
+    else:
+        best: dict[int, float] = {}
+        for _ in range(SPLIT_MEASURE_ROUNDS):
+            for n in by_splits:
+                t = do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
+                best[n] = min(best.get(n, t), t)
+        default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
+        fastest = min(best, key=best.get)
+        per_sm = by_splits[fastest if best[fastest] < SPLIT_MIN_GAIN * best[default] else default]
+    _MEASURED_PROGRAMS_PER_SM[klass] = per_sm
+    return _num_splits(bsz, c.h_kv, m_tiles, max_len, sms, per_sm)
 
 
 def _m_tiling(group: int, t_q: int) -> tuple[int, int]:
@@ -617,12 +613,14 @@ class _DecodePlan:
     cache: computed once per cache and shape, not per call."""
 
     __slots__ = (
+        "empty",
         "grid",
         "group",
         "h_kv",
         "lse_numel",
         "m_tiles",
         "merge_grid",
+        "merge_heads",
         "merge_meta",
         "meta",
         "part_numel",
@@ -640,6 +638,7 @@ class _DecodePlan:
         group = h_q // c.h_kv
         block_m, m_tiles = _m_tiling(group, t_q)
         self.h_kv, self.t_q, self.group, self.m_tiles = c.h_kv, t_q, group, m_tiles
+        self.merge_heads, self.empty = h_q, math.prod(shape) == 0
         self.split = num_splits > 1
         # The splits' partial outputs (B, H_q, T_q, NUM_SPLITS, D), then their log-sum-exps
         # (B, H_q, T_q, NUM_SPLITS): one flat float32 scratch that the kernels index themselves.
@@ -721,8 +720,8 @@ def _triton_version() -> str:
 # Direct launches of the compiled kernels (see _DirectLaunch); KERNEL_LAB_DIRECT_LAUNCH=0 turns
 # them off (every launch then goes through JITFunction.run). The two decode-test failures once
 # suspected on them came from the autotuner (see test_decode_paged_gives_the_contiguous_result)
-# and happened with them off as well. Only with the Triton versions CompiledKernel.run's calling
-# convention was checked against (runtime.DIRECT_LAUNCH_TRITON, as runtime.DirectLauncher).
+# and happened with them off as well. Only with the Triton versions whose launcher calling
+# convention was checked (runtime.DIRECT_LAUNCH_TRITON, as runtime.DirectLauncher).
 DIRECT_LAUNCH = (os.environ.get("KERNEL_LAB_DIRECT_LAUNCH", "1") == "1" and _knobs is not None
                  and hasattr(_knobs.compilation, "instrumentation_mode")
                  and _triton_version().startswith(runtime.DIRECT_LAUNCH_TRITON))
@@ -737,6 +736,20 @@ def _compiled(ret):
     return None
 
 
+def _raw_launch(kernel, grid) -> tuple | None:
+    """(launch, leading arguments) of a loaded CompiledKernel: Triton's C launch function and
+    what it takes before the kernel's parameters for `grid` (stream aside). None when the
+    kernel needs a global or profiling scratch, which only the launcher's Python wrapper
+    allocates."""
+    launcher = kernel.run  # (the property loads the kernel's handles on first use)
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None
+    # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+    #        packed_metadata, launch_metadata, enter_hook, exit_hook, *params)
+    return launcher.launch, tuple(grid), (kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                                          None, None, kernel.packed_metadata, None, None, None)
+
+
 class _DirectLaunch:
     """The compiled split (and merge) kernels of one decode fingerprint, launched directly.
 
@@ -745,17 +758,55 @@ class _DirectLaunch:
     path of every decode step, the argument binder the largest part of it. Within one
     DecodeCache, everything the specialization depends on is fixed by the fingerprint of
     `_decode_launch` (plan: shapes, dtypes, constexprs, config; the cache's own tensors and
-    strides; q's strides; the 16-byte alignment of every per-call pointer; current device;
-    Triton's debug/instrumentation knobs), so the kernel JITFunction.run picked for the first
-    call of a fingerprint is the one it would pick again: `CompiledKernel.run` (its `[grid]`
-    runner while launch hooks are installed) runs it with the same arguments (all parameters in
-    signature order, constexprs included).
+    strides; q's strides; the 16-byte alignment of q and seq_ids; current device; Triton's
+    debug/instrumentation knobs), so the kernel JITFunction.run picked for the first call of a
+    fingerprint is the one it would pick again. `launch` calls Triton's C launch function with
+    the same parameters (all of them in signature order, constexprs included), except that
+    pointers are passed as addresses: given a tensor, that function calls its data_ptr() and
+    asks the driver whether the address is device memory, about 0.35 us a tensor on an H100
+    host (10 tensors: split kernel 9.2 against 5.6 us a launch through the launcher's Python
+    wrapper, 6.9 against 5.2 from C; scratch run), and the inputs were checked already.
+    Everything but q, seq_ids, the output, the split scratch and the scale is the same for
+    every call of a fingerprint and is bound once here.
     """
 
-    __slots__ = ("merge", "merge_tail", "split", "split_tail")
+    __slots__ = ("lengths_ptr", "merge", "merge_params", "split", "split_params")
 
-    def __init__(self, split, split_tail, merge, merge_tail) -> None:
-        self.split, self.split_tail, self.merge, self.merge_tail = split, split_tail, merge, merge_tail
+    def __init__(self, plan: _DecodePlan, c: DecodeCache, split_k, merge_k, q_strides, out_strides,
+                 split_tail: tuple, merge_tail: tuple) -> None:
+        self.split = _raw_launch(split_k, plan.grid)
+        self.merge = None if merge_k is None else _raw_launch(merge_k, plan.merge_grid)
+        # lengths also stands in for absent pointers, as in _decode_launch
+        self.lengths_ptr = lengths = c.lengths.data_ptr()
+        # split parameters, in signature order: (q), q strides, cache, (seq_ids), block table and
+        # scales, (out), out strides, (part), the rest
+        self.split_params = (
+            q_strides,
+            (c.k_cache.data_ptr(), c.v_cache.data_ptr(), *c.k_strides, lengths),
+            (c.block_table.data_ptr() if c.paged else lengths, c.bt_stride,
+             c.k_scale.data_ptr() if c.quant else lengths, c.v_scale.data_ptr() if c.quant else lengths),
+            out_strides,
+            plan.part_numel,
+            (plan.h_kv, plan.t_q, plan.group, plan.m_tiles, plan.grid[1], *split_tail),
+        )
+        self.merge_params = (plan.part_numel, out_strides, (plan.merge_heads, plan.t_q, plan.grid[1], *merge_tail))
+
+    def usable(self, split: bool) -> bool:
+        """Whether every kernel of the decode can be launched this way (see _raw_launch)."""
+        return self.split is not None and (self.merge is not None or not split)
+
+    def launch(self, stream: int, q_ptr: int, seq_ids_ptr: int | None, out_ptr: int, part_ptr: int,
+               qk_scale: float) -> None:
+        """The decode's launches on `stream`, given the addresses of its per-call tensors."""
+        launch, grid, lead = self.split
+        q_strides, cache, tables, out_strides, part_numel, rest = self.split_params
+        launch(*grid, stream, *lead, q_ptr, *q_strides, *cache,
+               self.lengths_ptr if seq_ids_ptr is None else seq_ids_ptr, *tables, out_ptr, *out_strides,
+               part_ptr, part_numel, qk_scale, *rest)
+        if self.merge is not None:
+            launch, grid, lead = self.merge
+            part_numel, out_strides, rest = self.merge_params
+            launch(*grid, stream, *lead, part_ptr, part_numel, out_ptr, *out_strides, *rest)
 
 
 def _current_raw_stream(device: int) -> int:
@@ -766,6 +817,28 @@ def _current_raw_stream(device: int) -> int:
 def _tail(jit_fn, n_args: int, values: dict) -> tuple:
     """The values of jit_fn's parameters after its first n_args, in signature order."""
     return tuple(values[name] for name in jit_fn.arg_names[n_args:])
+
+
+# Split scratch kept per (device, stream, thread) for eager decodes; see _split_scratch.
+_SPLIT_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _split_scratch(numel: int, device: int, stream: int) -> torch.Tensor:
+    """float32 scratch of at least `numel` elements for the split partials of an eager decode.
+
+    An allocation costs about 4 us of CPU on an H100 host (scratch run), a tenth of a small
+    decode's host path. The buffer is kept per stream, so decodes on other streams never share
+    it, and per thread: a decode's merge reads what its split kernel wrote, and two threads
+    launching on one stream could queue one decode's split kernel between another's split and
+    merge. It grows as needed and stays allocated (B x H_q x T_q x splits x (D + 1) floats,
+    a few MB at most). While a CUDA graph is captured the callers allocate instead: the graph's
+    memory pool then owns the scratch of each captured decode.
+    """
+    key = (device, stream, threading.get_ident())
+    held = _SPLIT_SCRATCH.get(key)
+    if held is None or held.numel() < numel:
+        held = _SPLIT_SCRATCH[key] = torch.empty(numel, dtype=torch.float32, device=f"cuda:{device}")
+    return held
 
 
 @runtime.on_tensors_device
@@ -780,7 +853,7 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
     if plan is None:
         plan = c._plans[key] = _DecodePlan(c, tuple(shape), q.dtype, seq_ids is not None, num_splits)
     out = torch.empty(shape, dtype=q.dtype, device=c.device)
-    if out.numel() == 0:
+    if plan.empty:
         return out
     # A 3-D q is one token per sequence: T_q = 1 and a zero token stride, no reshape needed.
     if q.dim() == 4:
@@ -789,11 +862,34 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         sq, so = q.stride(), out.stride()
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
-    # Split partials, one allocation. (Not a scratch kept per stream, as partial_sums.workspace
-    # keeps: the merge reads what another launch wrote, and two threads launching on one stream
-    # could interleave one decode's split and merge with another's.) Without splits `out` stands
-    # in, never touched: SPLIT is a constexpr.
-    part = torch.empty(plan.part_numel + plan.lse_numel, dtype=torch.float32, device=c.device) if plan.split else out
+    capturing = c.is_cuda and torch.cuda.is_current_stream_capturing()
+    fingerprint = None
+    if DIRECT_LAUNCH and c.is_cuda:
+        device = q.get_device()  # the current device (runtime.on_tensors_device)
+        q_ptr = q.data_ptr()
+        seq_ids_ptr = seq_ids.data_ptr() if seq_ids is not None else None
+        # (out and the split scratch are fresh allocations or the kept scratch: 256-byte aligned)
+        fingerprint = (plan, device, q_strides, q_ptr & 15, -1 if seq_ids_ptr is None else seq_ids_ptr & 15,
+                       _knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
+        direct = c._launches.get(fingerprint)
+        hooks = _knobs.runtime.launch_enter_hook.calls or _knobs.runtime.launch_exit_hook.calls
+        if direct is not None and not hooks:  # (with launch hooks, JITFunction.run calls them)
+            stream = _current_raw_stream(device)
+            part_ptr = 0
+            if plan.split:
+                n = plan.part_numel + plan.lse_numel
+                part = (torch.empty(n, dtype=torch.float32, device=c.device) if capturing
+                        else _split_scratch(n, device, stream))
+                part_ptr = part.data_ptr()
+            direct.launch(stream, q_ptr, seq_ids_ptr, out.data_ptr(), part_ptr, scale * LOG2E)
+            return out
+    # Split partials, one allocation. Without splits `out` stands in, never touched: SPLIT is a
+    # constexpr.
+    part = out
+    if plan.split:
+        n = plan.part_numel + plan.lse_numel
+        part = (_split_scratch(n, q.get_device(), _current_raw_stream(q.get_device()))
+                if c.is_cuda and not capturing else torch.empty(n, dtype=torch.float32, device=c.device))
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
         q, *q_strides,
@@ -809,33 +905,7 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         scale * LOG2E,
         plan.h_kv, plan.t_q, plan.group, plan.m_tiles, num_splits,
     )
-    merge_args = (part, plan.part_numel, out, *out_strides, shape[-2], plan.t_q, num_splits)
-    fingerprint = None
-    if DIRECT_LAUNCH and c.is_cuda:
-        device = torch.cuda.current_device()
-        fingerprint = (
-            plan, device, q_strides, q.data_ptr() & 15,
-            seq_ids.data_ptr() & 15 if seq_ids is not None else -1,
-            out.data_ptr() & 15, part.data_ptr() & 15,
-            _knobs.runtime.debug, _knobs.compilation.instrumentation_mode,
-        )
-        direct = c._launches.get(fingerprint)
-        if direct is not None:
-            if _knobs.runtime.launch_enter_hook.calls or _knobs.runtime.launch_exit_hook.calls:
-                direct.split[plan.grid](*args, *direct.split_tail)  # (the hooks' launch metadata too)
-                if plan.split:
-                    direct.merge[plan.merge_grid](*merge_args, *direct.merge_tail)
-                return out
-            # CompiledKernel.run itself: its [grid] runner would look the device, stream and
-            # launch metadata up again per launch
-            stream = _current_raw_stream(device)
-            k = direct.split
-            k.run(*plan.grid, stream, k.function, k.packed_metadata, None, None, None, *args, *direct.split_tail)
-            if plan.split:
-                k = direct.merge
-                k.run(*plan.merge_grid, stream, k.function, k.packed_metadata, None, None, None, *merge_args,
-                      *direct.merge_tail)
-            return out
+    merge_args = (part, plan.part_numel, out, *out_strides, plan.merge_heads, plan.t_q, num_splits)
     split_k = _compiled(_launch_tuned(_decode_split_kernel, plan.tune_key, plan.grid, args, plan.meta))
     merge_k = None
     if plan.split:
@@ -843,13 +913,11 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
     if fingerprint is not None and split_k is not None and (merge_k is not None or not plan.split):
         jit_split = _decode_split_kernel.fn
         if not jit_split.pre_run_hooks and not _decode_merge_kernel.pre_run_hooks:
-            cfg = _TUNED[plan.tune_key]
-            split_tail = _tail(jit_split, len(args), {**plan.meta, **cfg})
+            split_tail = _tail(jit_split, len(args), {**plan.meta, **_TUNED[plan.tune_key]})
             merge_tail = _tail(_decode_merge_kernel, len(merge_args), plan.merge_meta) if plan.split else ()
-            for k in (split_k, merge_k):
-                if k is not None:
-                    k._init_handles()  # loaded already by its first launch; run() needs `function`
-            c._launches[fingerprint] = _DirectLaunch(split_k, split_tail, merge_k, merge_tail)
+            direct = _DirectLaunch(plan, c, split_k, merge_k, q_strides, out_strides, split_tail, merge_tail)
+            if direct.usable(plan.split):
+                c._launches[fingerprint] = direct
     return out
 
 
