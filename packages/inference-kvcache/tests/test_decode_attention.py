@@ -373,6 +373,27 @@ def test_decode_under_torch_compile_fullgraph(kvh, seed):
     kvh.check_decode(out, q, cache, 0)
 
 
+@pytest.mark.gpu
+def test_decode_under_cuda_graph_compile_matches_eager(kvh, seed):
+    """torch.compile(mode="reduce-overhead"): cudagraph trees warm the custom op up outside
+    capture with every allocation in the graph's memory pool, then capture it; the op's split
+    scratch must be per call there (a kept one was refused as a live untracked pool tensor)."""
+    torch._dynamo.reset()
+    cache = KVCache(1, 2, 4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kvh.fill(cache, 0, [4096, 3000], dtype=torch.bfloat16, seed=seed, prefill=4096)
+    args = (cache.k[0], cache.v[0], cache.lengths(0))
+
+    def step(q, k, v, lengths):
+        return flash_decode(q * 1.0, k, v, lengths, num_splits=8) + 0.0
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for i in range(3):  # warm-up, capture, replay
+        q = randn(2, 32, 128, dtype=torch.bfloat16, seed=seed + 1 + i, device="cuda")
+        out = compiled(q, *args).clone()
+        assert torch.equal(out, flash_decode(q, *args, num_splits=8))
+    kvh.check_decode(out, q, cache, 0)
+
+
 # ---------------------------------------------------------------------------------------
 # torch.library registration
 

@@ -162,8 +162,8 @@ class _FakeJit:
 
 def _assert_same_launches(jit, direct, persistent):
     """`direct` launches the kernels of `jit` (launch logs) with the same grids and parameters,
-    tensors passed as their addresses: those of `persistent` (the cache's own tensors) equal,
-    those of the per-call tensors (q, the output, the split scratch) free to differ."""
+    tensors passed as their addresses: those of `persistent` (the cache's own tensors) equal;
+    the per-call ones (q, the output, the split scratch) are checked by the caller."""
     assert [(how, name) for how, name, _, _ in direct] == [("direct", name) for _, name, _, _ in jit]
     for (_, name, grid, params), (_, _, direct_grid, direct_params) in zip(jit, direct, strict=True):
         assert direct_grid == grid and len(direct_params) == len(params), name
@@ -176,12 +176,26 @@ def _assert_same_launches(jit, direct, persistent):
                 assert d == p, (name, i)
 
 
-def _position(params, tensor) -> int:
-    """Index of the first parameter that is `tensor` itself."""
-    return next(i for i, p in enumerate(params) if p is tensor)
+def _positions(params, tensor) -> list[int]:
+    """Indices of the parameters that are `tensor` itself."""
+    return [i for i, p in enumerate(params) if p is tensor]
 
 
-def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, seed):
+@pytest.mark.parametrize(
+    ("kind", "dtype", "t_q", "num_splits"),
+    [("paged", torch.float16, None, 3), ("contiguous", torch.float8_e4m3fn, 2, 3),
+     ("contiguous", torch.float16, None, 1)],
+    ids=["paged-fp16-3d-split", "contiguous-fp8-4d-split", "contiguous-fp16-3d-unsplit"],
+)
+def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, seed, kind, dtype, t_q, num_splits):
+    if kind == "paged":
+        cache = PagedKVCache(40, 4, 1, 2, 16, dtype=dtype, max_seqs=3)
+        for s in range(3):
+            cache.allocate(s, 30)
+    else:
+        cache = KVCache(1, 3, 32, 2, 16, dtype=dtype)
+        kv = randn(3, 30, 2, 16, dtype=torch.float16, seed=seed + 1)
+        cache.append(0, kv, kv)
     log = []
     monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "triton")
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", True)
@@ -190,54 +204,73 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     monkeypatch.setattr(kv_ops._decode_split_kernel, "configs", kv_ops._decode_split_kernel.configs[:1])
     monkeypatch.setattr(kv_ops, "_decode_merge_kernel", _FakeJit(kv_ops._decode_merge_kernel, log, "merge"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     current_stream = 0x5EED  # a stand-in handle: a direct launch must pass the current stream
     monkeypatch.setattr(kv_ops, "_current_raw_stream", lambda device: current_stream)
-    scratch = {}  # the split scratch of each (device, stream, thread) key, on the CPU here
+    scratch = {}  # the kept split scratch of each (device, stream), on the CPU here
     monkeypatch.setattr(kv_ops, "_split_scratch", lambda n, device, stream: scratch.setdefault(
         (device, stream), torch.empty(n, dtype=torch.float32)))
-    cache = PagedKVCache(40, 4, 1, 2, 16, dtype=torch.float16, max_seqs=3)
-    for s in range(3):
-        cache.allocate(s, 30)
     dc = cache._decode_cache(0)
     dc.is_cuda = True  # what a CUDA cache has
-    persistent = {t.data_ptr() for t in (dc.k_cache, dc.v_cache, dc.lengths, dc.block_table)}
-    q = randn(3, 8, 16, dtype=torch.float16, seed=seed)
+    own = [dc.k_cache, dc.v_cache, dc.lengths] + [t for t in (dc.block_table, dc.k_scale, dc.v_scale) if t is not None]
+    persistent = {t.data_ptr() for t in own}
+    shape = (3, 8, 16) if t_q is None else (3, t_q, 8, 16)
+    q = randn(*shape, dtype=torch.float16, seed=seed)
+    split = num_splits > 1
 
     def launches(q, **kw):
         log.clear()
-        decode_attention(q, cache, 0, num_splits=3, **kw)
-        return list(log)
+        out = decode_attention(q, cache, 0, num_splits=num_splits, **kw)
+        return list(log), out
 
-    first = launches(q)
-    assert [x[:2] for x in first] == [("jit", "split"), ("jit", "merge")]
-    again = launches(q.clone())
+    first, first_out = launches(q)
+    assert [x[:2] for x in first] == [("jit", "split"), ("jit", "merge")][: 1 + split]
+    q2 = q.clone()
+    again, out2 = launches(q2)
     _assert_same_launches(first, again, persistent)
     split_fake, merge_fake = kv_ops._decode_split_kernel.fn.compiled, kv_ops._decode_merge_kernel.compiled
-    assert split_fake.streams == merge_fake.streams == [current_stream]
-    # the split kernel writes the scratch the merge reads, and the merge writes the output
-    (_, _, _, split_params), (_, _, _, merge_params) = again
-    jit_split, jit_merge = first[0][3], first[1][3]
-    assert merge_params[0] == split_params[_position(jit_split, jit_merge[0])]
-    assert merge_params[2] == split_params[_position(jit_split, jit_merge[2])]
+    assert split_fake.streams == [current_stream] and merge_fake.streams == [current_stream][:split]
+    # the per-call addresses: this call's q and output, and the kept scratch, which the split
+    # kernel writes and the merge reads
+    jit_split, direct_split = first[0][3], again[0][3]
+    (q_at,) = _positions(jit_split, q)
+    assert direct_split[q_at] == q2.data_ptr()
+    out_at = _positions(jit_split, first_out)
+    assert direct_split[out_at[0]] == out2.data_ptr()
+    if split:
+        (kept,) = scratch.values()
+        (part_at,) = _positions(jit_split, kept)
+        assert direct_split[part_at] == kept.data_ptr()
+        jit_merge, direct_merge = first[1][3], again[1][3]
+        assert _positions(jit_merge, kept) == [0] and _positions(jit_merge, first_out) == [2]
+        assert direct_merge[0] == kept.data_ptr() and direct_merge[2] == out2.data_ptr()
+        # while a CUDA graph is captured the scratch is the graph's own allocation
+        capturing[0] = True
+        captured, _ = launches(q2)
+        capturing[0] = False
+        assert captured[0][3][part_at] not in (kept.data_ptr(), out2.data_ptr())
+        assert captured[1][3][0] == captured[0][3][part_at]
+    else:
+        assert len(out_at) == 2  # the output stands in for the unused scratch
     with monkeypatch.context() as m:  # a launch hook (a profiler): JITFunction.run calls it
         m.setattr(kv_ops._knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
-        hooked = launches(q.clone())
-    assert [x[:2] for x in hooked] == [("jit", "split"), ("jit", "merge")]
+        hooked, _ = launches(q.clone())
+    assert [x[0] for x in hooked] == ["jit"] * (1 + split)
     # Anything the JIT specializes on that the fingerprint does not pin goes through it again:
-    # a q that is not 16-byte aligned, other q strides, other seq_ids, another num_splits.
+    # a q that is not 16-byte aligned, other q strides, other seq_ids.
     misaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
-    assert launches(misaligned)[0][0] == "jit"
-    assert launches(misaligned)[0][0] == "direct"
-    strided = torch.empty(3, 8, 32, dtype=q.dtype)[..., :16].copy_(q)
-    assert launches(strided)[0][0] == "jit"
-    assert launches(q, seq_ids=[2, 1, 0])[0][0] == "jit"
-    with_ids = launches(q, seq_ids=[2, 1, 0])
+    assert launches(misaligned)[0][0][0] == "jit"
+    assert launches(misaligned)[0][0][0] == "direct"
+    strided = torch.empty(*shape[:-1], 32, dtype=q.dtype)[..., :16].copy_(q)
+    assert launches(strided)[0][0][0] == "jit"
+    assert launches(q, seq_ids=[2, 1, 0])[0][0][0] == "jit"
+    with_ids, _ = launches(q, seq_ids=[2, 1, 0])
     assert with_ids[0][0] == "direct"
-    seq_ids_param = _position(first[0][3], dc.lengths) + 1  # (seq_ids follows lengths)
-    assert with_ids[0][3][seq_ids_param] not in persistent  # the seq_ids tensor, not the stand-in
+    lengths_at = _positions(jit_split, dc.lengths)[0]  # (also the stand-in of absent pointers)
+    assert with_ids[0][3][lengths_at + 1] not in persistent  # the seq_ids tensor, not the stand-in
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
-    assert [x[0] for x in launches(q)] == ["jit", "jit"]
+    assert [x[0] for x in launches(q)[0]] == ["jit"] * (1 + split)
 
 
 @pytest.mark.gpu
@@ -256,6 +289,14 @@ def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkey
         return do_bench(fn, **kw)
 
     monkeypatch.setattr(triton.testing, "do_bench", spy)
+    launched = []  # the split count of every decode launch, measurements included
+    decode_launch = kv_ops._decode_launch
+
+    def launch_spy(q, c, seq_ids, scale, num_splits, **kw):
+        launched.append(num_splits)
+        return decode_launch(q, c, seq_ids, scale, num_splits, **kw)
+
+    monkeypatch.setattr(kv_ops, "_decode_launch", launch_spy)
     cache = kvh.make_cache("contiguous", batch=3, max_len=32768, h_kv=8, d=128, dtype=torch.float8_e4m3fn,
                            device="cuda")
     kvh.fill(cache, 0, [32768, 30000, 20000], dtype=torch.bfloat16, seed=seed, prefill=32768)
@@ -268,15 +309,15 @@ def test_the_split_count_is_measured_once_per_class_of_decodes(kvh, seed, monkey
     assert len(timed) == kv_ops.SPLIT_MEASURE_ROUNDS * len(set(candidates.values()))
     assert len(set(candidates.values())) > 1
     (per_sm,) = kv_ops._MEASURED_PROGRAMS_PER_SM.values()
-    # the default decode runs the measured split count (another count rounds differently)
-    assert torch.equal(decode_attention(q, cache, 0), decode_attention(q, cache, 0, num_splits=candidates[per_sm]))
+    assert launched[-1] == candidates[per_sm]  # the decode itself, after the measurement
     # batch 3 (24 unsplit programs) is in batch 2's class (16 to 31): its split count follows
     # from the measured programs per SM, without timing again
     q3 = randn(3, 32, 128, dtype=torch.bfloat16, seed=seed + 2, device="cuda")
+    launched.clear()
     kvh.check_decode(decode_attention(q3, cache, 0), q3, cache, 0)
     assert len(timed) == kv_ops.SPLIT_MEASURE_ROUNDS * len(set(candidates.values()))
-    assert torch.equal(decode_attention(q3, cache, 0),
-                       decode_attention(q3, cache, 0, num_splits=kv_ops._num_splits(3, 8, 1, 32768, sms, per_sm)))
+    assert launched == [kv_ops._num_splits(3, 8, 1, 32768, sms, per_sm)]
+    assert len(kv_ops._MEASURED_PROGRAMS_PER_SM) == 1
 
 
 def test_default_split_counts():

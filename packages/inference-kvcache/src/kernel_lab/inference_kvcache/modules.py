@@ -255,7 +255,7 @@ class _CacheBase:
         if c is None:
             c = DecodeCache(self.k[layer], self.v[layer], self._lengths[layer], self._block_table(),
                             self.k_scale[layer] if self.is_fp8 else None,
-                            self.v_scale[layer] if self.is_fp8 else None)
+                            self.v_scale[layer] if self.is_fp8 else None, reused=True)
             self._decode_caches[layer] = c
         return c
 

@@ -358,8 +358,9 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
     default by the SPLIT_MIN_GAIN margin, else the default's, for the class: later decodes of
     the class (another batch size, a sequence grown by a token) only derive their split count
     from it. Off CUDA, under the interpreter, while a CUDA graph is captured, while
-    torch.compile traces, or with KERNEL_LAB_KVCACHE_AUTOTUNE=0, the default plan
-    (SPLIT_PROGRAMS_PER_SM) is used.
+    torch.compile traces, or with KERNEL_LAB_KVCACHE_AUTOTUNE=0, nothing is measured: a class
+    measured before keeps its programs per SM, any other takes the default plan
+    (SPLIT_PROGRAMS_PER_SM).
     """
     bsz, sms = q.shape[0], c.sm_count()
     programs = max(1, bsz * c.h_kv * m_tiles)
@@ -382,7 +383,8 @@ def _measured_num_splits(q, c: DecodeCache, seq_ids, scale: float, m_tiles: int,
         best: dict[int, float] = {}
         for _ in range(SPLIT_MEASURE_ROUNDS):
             for n in by_splits:
-                t = do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n), warmup=5, rep=20)
+                t = do_bench(lambda n=n: _decode_launch(q, c, seq_ids, scale, n, keep_scratch=True), warmup=5,
+                             rep=20)
                 best[n] = min(best.get(n, t), t)
         default = _num_splits(bsz, c.h_kv, m_tiles, max_len, sms)
         fastest = min(best, key=best.get)
@@ -432,12 +434,14 @@ class DecodeCache:
         "page_size",
         "paged",
         "quant",
+        "reused",
         "rows",
         "v_cache",
         "v_scale",
     )
 
-    def __init__(self, k_cache, v_cache, lengths, block_table=None, k_scale=None, v_scale=None) -> None:
+    def __init__(self, k_cache, v_cache, lengths, block_table=None, k_scale=None, v_scale=None, *,
+                 reused: bool = False) -> None:
         _check_cache_pair(k_cache, v_cache)
         _check_scales(k_cache, k_scale, v_scale)
         device = k_cache.device
@@ -466,6 +470,9 @@ class DecodeCache:
         self.bt_stride = block_table.stride(0) if self.paged else 0
         self.page_size = k_cache.shape[1]
         self.quant = k_scale is not None
+        # Kept across calls (the cache classes' layers): only then are direct launches worth
+        # preparing (see _DirectLaunch); a DecodeCache built per call would never reuse one.
+        self.reused = reused
         self._sm_count = None  # read when a split plan first needs it (not while torch.compile traces)
         self._plans: dict = {}
         self._launches: dict = {}
@@ -572,7 +579,7 @@ def decode_checked_cache(
             q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale, c.v_scale, float(scale),
             num_splits,
         )
-    out = _decode_launch(q, c, seq_ids, float(scale), num_splits)
+    out = _decode_launch(q, c, seq_ids, float(scale), num_splits, keep_scratch=True)
     return runtime.forward_only("flash_decode", out, q, c.k_cache, c.v_cache, c.k_scale, c.v_scale)
 
 
@@ -603,9 +610,11 @@ def flash_decode_fwd(
     num_splits: int,
 ) -> torch.Tensor:
     """Launcher of decode attention (inputs checked, index tensors int32). Output: q's shape.
-    Also the implementation of the custom op `kernel_lab::kvcache_decode`."""
+    Also the implementation of the custom op `kernel_lab::kvcache_decode`: it may run where
+    torch.compile's CUDA graphs own the allocations (cudagraph trees warm up outside capture,
+    in the graph's memory pool), so it allocates its split scratch per call."""
     cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
-    return _decode_launch(q, cache, seq_ids, scale, num_splits)
+    return _decode_launch(q, cache, seq_ids, scale, num_splits, keep_scratch=False)
 
 
 class _DecodePlan:
@@ -737,11 +746,15 @@ def _compiled(ret):
 
 
 def _raw_launch(kernel, grid) -> tuple | None:
-    """(launch, leading arguments) of a loaded CompiledKernel: Triton's C launch function and
-    what it takes before the kernel's parameters for `grid` (stream aside). None when the
-    kernel needs a global or profiling scratch, which only the launcher's Python wrapper
-    allocates."""
+    """(launch, grid, leading arguments) of a loaded CompiledKernel: Triton's C launch function
+    and what it takes before the kernel's parameters (stream aside). None when the launcher is
+    not the CUDA one checked here, or the kernel needs a global or profiling scratch, which only
+    the launcher's Python wrapper allocates."""
     launcher = kernel.run  # (the property loads the kernel's handles on first use)
+    # (CUDA's launcher only: HIP's takes other leading arguments and has no scratch sizes)
+    if not all(hasattr(launcher, a) for a in ("launch", "launch_cooperative_grid", "launch_pdl",
+                                              "global_scratch_size", "profile_scratch_size")):
+        return None
     if launcher.global_scratch_size or launcher.profile_scratch_size:
         return None
     # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
@@ -819,8 +832,8 @@ def _tail(jit_fn, n_args: int, values: dict) -> tuple:
     return tuple(values[name] for name in jit_fn.arg_names[n_args:])
 
 
-# Split scratch kept per (device, stream, thread) for eager decodes; see _split_scratch.
-_SPLIT_SCRATCH: dict[tuple, torch.Tensor] = {}
+# Split scratch of eager decodes, per thread (a dict by (device, stream) in each); see _split_scratch.
+_SPLIT_SCRATCH = threading.local()
 
 
 def _split_scratch(numel: int, device: int, stream: int) -> torch.Tensor:
@@ -830,20 +843,25 @@ def _split_scratch(numel: int, device: int, stream: int) -> torch.Tensor:
     decode's host path. The buffer is kept per stream, so decodes on other streams never share
     it, and per thread: a decode's merge reads what its split kernel wrote, and two threads
     launching on one stream could queue one decode's split kernel between another's split and
-    merge. It grows as needed and stays allocated (B x H_q x T_q x splits x (D + 1) floats,
-    a few MB at most). While a CUDA graph is captured the callers allocate instead: the graph's
-    memory pool then owns the scratch of each captured decode.
+    merge. It grows to the largest decode's partials (B x H_q x T_q x splits x (D + 1) floats)
+    and is freed with its thread. Only eager decodes outside CUDA-graph capture use it: a
+    captured decode, and the custom op that torch.compile calls, allocate their own, so that a
+    graph's memory pool owns its scratch.
     """
-    key = (device, stream, threading.get_ident())
-    held = _SPLIT_SCRATCH.get(key)
+    held_by_stream = getattr(_SPLIT_SCRATCH, "by_stream", None)
+    if held_by_stream is None:
+        held_by_stream = _SPLIT_SCRATCH.by_stream = {}
+    held = held_by_stream.get((device, stream))
     if held is None or held.numel() < numel:
-        held = _SPLIT_SCRATCH[key] = torch.empty(numel, dtype=torch.float32, device=f"cuda:{device}")
+        held = held_by_stream[device, stream] = torch.empty(numel, dtype=torch.float32, device=f"cuda:{device}")
     return held
 
 
 @runtime.on_tensors_device
-def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) -> torch.Tensor:
-    """The launches of one decode over a checked cache (seq_ids int32 or None)."""
+def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int, *, keep_scratch: bool) -> torch.Tensor:
+    """The launches of one decode over a checked cache (seq_ids int32 or None). keep_scratch:
+    an eager call, which may use the kept split scratch (_split_scratch) unless a CUDA graph is
+    being captured."""
     if runtime.backend(q) == "reference":
         return _flash_decode_reference(q, c.k_cache, c.v_cache, c.lengths, c.block_table, seq_ids, c.k_scale,
                                        c.v_scale, scale)
@@ -862,9 +880,10 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         sq, so = q.stride(), out.stride()
         q_strides = (sq[0], 0, sq[1], sq[2])
         out_strides = (so[0], 0, so[1], so[2])
-    capturing = c.is_cuda and torch.cuda.is_current_stream_capturing()
+    keep_scratch = keep_scratch and c.is_cuda and not torch.cuda.is_current_stream_capturing()
+    hooks = DIRECT_LAUNCH and (_knobs.runtime.launch_enter_hook.calls or _knobs.runtime.launch_exit_hook.calls)
     fingerprint = None
-    if DIRECT_LAUNCH and c.is_cuda:
+    if DIRECT_LAUNCH and c.is_cuda and c.reused and not hooks:  # (with launch hooks, JITFunction.run calls them)
         device = q.get_device()  # the current device (runtime.on_tensors_device)
         q_ptr = q.data_ptr()
         seq_ids_ptr = seq_ids.data_ptr() if seq_ids is not None else None
@@ -872,24 +891,23 @@ def _decode_launch(q, c: DecodeCache, seq_ids, scale: float, num_splits: int) ->
         fingerprint = (plan, device, q_strides, q_ptr & 15, -1 if seq_ids_ptr is None else seq_ids_ptr & 15,
                        _knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
         direct = c._launches.get(fingerprint)
-        hooks = _knobs.runtime.launch_enter_hook.calls or _knobs.runtime.launch_exit_hook.calls
-        if direct is not None and not hooks:  # (with launch hooks, JITFunction.run calls them)
+        if direct is not None:
             stream = _current_raw_stream(device)
-            part_ptr = 0
+            part_ptr = 0  # (never read without splits: SPLIT is a constexpr)
             if plan.split:
                 n = plan.part_numel + plan.lse_numel
-                part = (torch.empty(n, dtype=torch.float32, device=c.device) if capturing
-                        else _split_scratch(n, device, stream))
+                part = (_split_scratch(n, device, stream) if keep_scratch
+                        else torch.empty(n, dtype=torch.float32, device=c.device))
                 part_ptr = part.data_ptr()
             direct.launch(stream, q_ptr, seq_ids_ptr, out.data_ptr(), part_ptr, scale * LOG2E)
             return out
-    # Split partials, one allocation. Without splits `out` stands in, never touched: SPLIT is a
-    # constexpr.
+    # The split partials (see _split_scratch). Without splits `out` stands in, never touched:
+    # SPLIT is a constexpr.
     part = out
     if plan.split:
         n = plan.part_numel + plan.lse_numel
-        part = (_split_scratch(n, q.get_device(), _current_raw_stream(q.get_device()))
-                if c.is_cuda and not capturing else torch.empty(n, dtype=torch.float32, device=c.device))
+        part = (_split_scratch(n, q.get_device(), _current_raw_stream(q.get_device())) if keep_scratch
+                else torch.empty(n, dtype=torch.float32, device=c.device))
     dummy = c.lengths  # stands in for absent optional pointers; never read (constexpr flags)
     args = (
         q, *q_strides,
