@@ -2,6 +2,8 @@
 the reused autotune choice, memoized seq_ids tensors, the liveness re-checks after
 allocate/free, and the host mirror of the lengths."""
 
+import threading
+
 import pytest
 import torch
 
@@ -269,8 +271,32 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     assert with_ids[0][0] == "direct"
     lengths_at = _positions(jit_split, dc.lengths)[0]  # (also the stand-in of absent pointers)
     assert with_ids[0][3][lengths_at + 1] not in persistent  # the seq_ids tensor, not the stand-in
+    # flash_decode builds its DecodeCache per call: nothing to reuse, every launch through the JIT
+    log.clear()
+    for _ in range(2):
+        flash_decode(q, dc.k_cache, dc.v_cache, dc.lengths, block_table=dc.block_table, k_scale=dc.k_scale,
+                     v_scale=dc.v_scale, num_splits=num_splits, check_indices=False)
+    assert [x[0] for x in log] == ["jit"] * 2 * (1 + split)
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
     assert [x[0] for x in launches(q)[0]] == ["jit"] * (1 + split)
+
+
+def test_split_scratch_is_kept_per_thread_and_stream(monkeypatch):
+    """The kept scratch (ops._split_scratch): one buffer per (device, stream) in each thread,
+    reused while large enough, replaced by a larger one when not. (Allocated on the CPU here.)"""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: empty(n, dtype=dtype))
+    a = kv_ops._split_scratch(100, 0, 7)
+    assert a.numel() >= 100 and a.dtype == torch.float32
+    assert kv_ops._split_scratch(60, 0, 7) is a
+    assert kv_ops._split_scratch(100, 0, 8) is not a and kv_ops._split_scratch(100, 1, 7) is not a
+    larger = kv_ops._split_scratch(1000, 0, 7)
+    assert larger is not a and larger.numel() >= 1000 and kv_ops._split_scratch(100, 0, 7) is larger
+    other_thread = []
+    worker = threading.Thread(target=lambda: other_thread.append(kv_ops._split_scratch(100, 0, 7)))
+    worker.start()
+    worker.join()
+    assert other_thread[0] is not larger
 
 
 @pytest.mark.gpu
