@@ -271,12 +271,24 @@ def test_direct_launch_replays_exactly_what_the_jit_launch_bound(monkeypatch, se
     assert with_ids[0][0] == "direct"
     lengths_at = _positions(jit_split, dc.lengths)[0]  # (also the stand-in of absent pointers)
     assert with_ids[0][3][lengths_at + 1] not in persistent  # the seq_ids tensor, not the stand-in
-    # flash_decode builds its DecodeCache per call: nothing to reuse, every launch through the JIT
+    # flash_decode builds its DecodeCache per call: nothing to reuse, so every launch goes through
+    # the JIT and no direct launch is prepared
+    prepared = []
+    direct_launch = kv_ops._DirectLaunch
+    monkeypatch.setattr(kv_ops, "_DirectLaunch", lambda *a: prepared.append(a) or direct_launch(*a))
+
+    class CudaDecodeCache(kv_ops.DecodeCache):  # what flash_decode builds for a CUDA cache
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.is_cuda = True
+
+    monkeypatch.setattr(kv_ops, "DecodeCache", CudaDecodeCache)
     log.clear()
     for _ in range(2):
         flash_decode(q, dc.k_cache, dc.v_cache, dc.lengths, block_table=dc.block_table, k_scale=dc.k_scale,
                      v_scale=dc.v_scale, num_splits=num_splits, check_indices=False)
     assert [x[0] for x in log] == ["jit"] * 2 * (1 + split)
+    assert prepared == []
     monkeypatch.setattr(kv_ops, "DIRECT_LAUNCH", False)
     assert [x[0] for x in launches(q)[0]] == ["jit"] * (1 + split)
 

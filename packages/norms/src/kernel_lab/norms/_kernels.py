@@ -123,7 +123,7 @@ def _rms_norm_fwd_kernel(
         # 66.5-67.2). Not with a gate, which the tile also holds: the gated forward at
         # 16384 x 4096 went from 101.1 to 107.0 us so (H200 histories 0081, 0082).
         if HAS_GATE:
-            w = 0.0
+            w = 0.0  # (loaded below; Triton wants the name bound on both branches)
         else:
             w = _rms_weight_values(w_ptr, cols, n_cols, HAS_WEIGHT)
         x = _rms_load_input(x_ptr, res_ptr, u_ptr, rows, cols, mask,
