@@ -96,10 +96,11 @@ def ref_backward(op: str, inputs: dict, grads, eps: float, offset: float) -> dic
 
 
 def check_op(op: str, inputs: dict, *, eps: float = 1e-6, offset: float = 0.0, seed: int = 0,
-             grad: bool = True, use_u: bool = True, fn=call, **kw) -> None:
+             grad: bool = True, use_u: bool = True, fn=call, grad_mask: torch.Tensor | None = None, **kw) -> None:
     """Forward (and backward) of `op` on `inputs` against the reference, the tolerance rule.
 
-    fn: what computes our outputs, called like `call` (e.g. a torch.compile'd wrapper of it)."""
+    fn: what computes our outputs, called like `call` (e.g. a torch.compile'd wrapper of it).
+    grad_mask: multiplies the random incoming gradients (zeros in it: gradients of exactly 0)."""
     # detach, not clone: a clone of strided rows is contiguous, and the layout is what some tests test
     leaves = {k: v.detach().requires_grad_(grad) for k, v in inputs.items() if v is not None}
     ours_in = {k: leaves.get(k) for k in inputs}
@@ -114,6 +115,8 @@ def check_op(op: str, inputs: dict, *, eps: float = 1e-6, offset: float = 0.0, s
     if not grad:
         return
     grads = [testing.randn(*x.shape, dtype=x.dtype, device=x.device, seed=seed + 10 + i) for i in range(len(outs))]
+    if grad_mask is not None:
+        grads = [g * grad_mask for g in grads]
     if op == "residual_rms_norm" and not use_u:
         outs, bases, grads = outs[:1], bases[:1], grads[:1]
     names = [k for k in inputs if inputs[k] is not None]

@@ -1,5 +1,5 @@
 """The norms kernels do their math in float32 whatever type their float arguments arrive in, and
-the cooperative forwards synchronise without a memory fence.
+the cooperative kernels synchronise without a memory fence.
 
 torch.compile (inductor) passes a Python float argument (eps, offset) to a user kernel as
 float64, where an eager launch passes float32. Without the kernels' cast, float64 scalars promote
@@ -39,12 +39,15 @@ CASES = {  # kernel: (its float arguments, constexprs)
                                                           SPLITS_POW2=4)),
     "_layer_norm_fwd_coop_kernel": (("eps",), dict(HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=16384, BLOCK_N=8192,
                                                    SPLITS_POW2=4)),
+    "_rms_norm_bwd_coop_kernel": (("offset",), dict(FLAGS, HAS_DU=True, CHUNK=2048, SPLITS_POW2=32)),
+    "_layer_norm_bwd_coop_kernel": ((), dict(HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=2048, SPLITS_POW2=32)),
 }
 COOP_KERNELS = [name for name in CASES if "coop" in name]
 
 
 def _pointer_types(kernel) -> dict:
-    return {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "dot_ptr")
+    return {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "partial_ptr",
+                                                                    "dot_ptr")
             else "*bf16" for a in kernel.arg_names if a.endswith("_ptr")}
 
 
@@ -61,8 +64,8 @@ def test_float64_scalar_arguments_leave_no_float64_math(name):
 
 
 @pytest.mark.parametrize("name", COOP_KERNELS)
-def test_cooperative_forward_synchronises_without_a_fence(name):
-    """The cooperative forwards exchange their chunk statistics as kernel_lab.shared.coop
+def test_cooperative_kernels_synchronise_without_a_fence(name):
+    """The cooperative kernels exchange their chunk statistics as kernel_lab.shared.coop
     describes: relaxed atomics (ticket, arrival count, the word's exchange), no memory fence."""
     kernel = getattr(_kernels, name)
     floats, constexprs = CASES[name]

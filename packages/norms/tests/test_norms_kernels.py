@@ -30,9 +30,9 @@ def _forget_recipes(monkeypatch):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Shrink the thresholds so small rows take the long-row paths: the looped forward (the
-    interpreter) or the cooperative one (CUDA: `loop_block`-column chunks, two steps each), and
-    the wide backward."""
+    """Shrink the thresholds so small rows take the long-row paths: the looped forward and the
+    wide backward (the interpreter) or the cooperative ones (CUDA: `loop_block`-column chunks,
+    two steps each in the forward, two programs per SM in the backward)."""
 
     def shrink(max_fused: int, loop_block: int) -> None:
         _forget_recipes(monkeypatch)
@@ -43,6 +43,8 @@ def small_blocks(monkeypatch):
             monkeypatch.setattr(ops, loop, ops._Loop(loop_block, 2, 4))
         for coop in ("RMS_FWD_COOP", "LAYER_NORM_FWD_COOP"):
             monkeypatch.setattr(ops, coop, ops._Coop(loop_block, loop_block // 2, 1))
+        for coop in ("RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "GATED_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"):
+            monkeypatch.setattr(ops, coop, ops._CoopBwd(max_fused, loop_block, 1, (1024, 1024)))
 
     return shrink
 
@@ -165,12 +167,15 @@ def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_de
 @pytest.mark.parametrize("n_cols, reread", [(100, True), (33, True), (32, False)])
 def test_layer_norm_backward_rereading_tiles_matches_reference(affine, n_cols, reread, monkeypatch, kernel_device,
                                                                 seed):
-    """Rows past ops.LAYER_NORM_BWD_PREFETCH_MAX_COLS take the one-tile LayerNorm backward that
+    """Rows past ops.LAYER_NORM_BWD_PREFETCH_MAX_COLS take, where the cooperative backward does not
+    run, the one-tile LayerNorm backward that
     touches each tile twice (REREAD). Shrunk here to 32 columns: 33 and 100 columns (masked tails
     of 64- and 128-column tiles, two rows and one a program) reread, 32 prefetch; one 1-warp
     program per stand-in SM strides over several row blocks."""
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_PREFETCH_MAX_COLS", 32)
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_REREAD", ops._BwdPlan(128, 128, 1))
+    # (on CUDA the cooperative kernel would take these rows: kept to the one-tile kernel here)
+    monkeypatch.setattr(ops, "LAYER_NORM_BWD_COOP", ops._CoopBwd(1 << 30, 2048, 2, (255, 252)))
     _forget_recipes(monkeypatch)
     sms = runtime.sm_count(torch.device(kernel_device))
     inputs = make_inputs("layer_norm", (3 * sms + 1, n_cols), torch.float32, kernel_device, seed, shift=1.5)
@@ -299,6 +304,34 @@ def test_cooperative_forward_matches_reference(op, seed):
     padded[:, :n_cols] = inputs["x"]
     inputs["x"] = padded[:, :n_cols]  # NaN padding: a read past the row would show
     check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_rows, n_cols, dtype",
+                         [(1000, 50001, torch.bfloat16), (37, 16385, torch.float32), (5, 131072, torch.float16)])
+def test_cooperative_backward_matches_reference(op, n_rows, n_cols, dtype, seed):
+    """Rows past the one-tile backwards' reach (RMSNorm: 16384 columns, LayerNorm: 8192) run the
+    cooperative backward on CUDA: groups of programs, one per chunk of a row, exchanging each
+    row's dot terms (kernel_lab.shared.coop), each group walking a block of rows. Odd lengths (a
+    short last chunk), more rows than groups with a short last group (1000 rows), fewer rows
+    than the groups the GPU could hold (5 and 37), float32 and float16, strided rows (NaN
+    padding), and gradients of exactly 0: whole rows and a whole chunk of every row, so that
+    chunks publish sums of +0.0 (LayerNorm's sum(g) travels as -0.0 to keep its word non-zero;
+    a zero word would read as not yet published, and the row would wait forever)."""
+    c = {"rms_norm": ops.RMS_BWD_COOP, "residual_rms_norm": ops.RESIDUAL_RMS_BWD_COOP,
+         "rms_norm_gated": ops.GATED_RMS_BWD_COOP, "layer_norm": ops.LAYER_NORM_BWD_COOP}[op]
+    n_splits, n_groups, rows_per_group = ops._bwd_coop_groups(n_rows, n_cols, dtype.itemsize, torch.device("cuda"), c)
+    assert n_splits == runtime.cdiv(n_cols, c.chunk) > 1 and n_groups == runtime.cdiv(n_rows, rows_per_group)
+    inputs = make_inputs(op, (n_rows, n_cols), dtype, "cuda", seed, weight_dtype=torch.float32,
+                         shift=2.0 if op == "layer_norm" else 0.0)
+    padded = torch.full((n_rows, n_cols + 7), float("nan"), dtype=dtype, device="cuda")
+    padded[:, :n_cols] = inputs["x"]
+    inputs["x"] = padded[:, :n_cols]
+    grad_mask = torch.ones(n_rows, n_cols, dtype=dtype, device="cuda")
+    grad_mask[::3] = 0
+    grad_mask[:, c.chunk:2 * c.chunk] = 0
+    check_op(op, inputs, eps=1e-5, seed=seed, grad_mask=grad_mask)
 
 
 @pytest.mark.gpu

@@ -358,6 +358,59 @@ def _rms_norm_bwd_wide_kernel(
                      mask=cols < n_cols)
 
 
+@triton.jit
+def _rms_norm_bwd_coop_kernel(
+    dy_ptr, x_ptr, gate_ptr, w_ptr, rstd_ptr, du_ptr,  # as _rms_norm_bwd_kernel's
+    dx_ptr, dgate_ptr, dw_partial_ptr,  # dw_partial: (n_groups, n_cols) float32
+    n_rows, n_cols, offset, rows_per_group,
+    stride_dy_row, stride_x_row, stride_gate_row, stride_du_row, stride_dx_row, stride_dgate_row,
+    sync_ptr,  # kernel_lab.shared.coop.workspace
+    n_splits,  # chunks per row
+    HAS_WEIGHT: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_DU: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program
+    SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+):
+    """The backward of rows too long for one program, x and dy read from HBM once (CUDA only).
+
+    Programs come in groups of n_splits, one per CHUNK of the columns (kernel_lab.shared.coop:
+    the ticket's "row" is the group), and a group walks rows_per_group consecutive rows. For
+    each row a program reads its chunk, publishes the chunk's part of the row's dot, waits for
+    the other chunks' parts and writes its chunk of dx, reading the chunk again for that (from
+    L2: the first read keeps its lines there); dweight of its columns stays in registers across
+    the rows and is written once, a row of the (n_groups, n_cols) partial sums."""
+    # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
+    offset = tl.cast(offset, tl.float32)
+    group, split = coop_ticket(sync_ptr, n_splits)
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    mask = (cols < n_cols)[None, :]
+    row_start = group * rows_per_group
+    row_end = tl.minimum(row_start + rows_per_group, n_rows)
+    dw_acc = tl.zeros([1, CHUNK], tl.float32)
+    for row in tl.range(row_start, row_end):
+        rows = row + tl.arange(0, 1)
+        rstd = tl.load(rstd_ptr + rows)
+        # Read twice rather than held across the wait: fewer registers, so more programs an SM
+        # keep DRAM busy while others wait (H200 sweep, 1024 x 65536 bf16: 142.5 against 161-185 us holding it)
+        xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
+                                     n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
+                                     stride_dgate_row, HAS_WEIGHT, HAS_GATE, False, "evict_last")
+        # hi = 1.0 keeps the word non-zero whatever the chunk's part
+        words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.sum(g * xhat),
+                                        tl.full([], 1.0, tl.float32), SPLITS_POW2)
+        dot = tl.sum(tl.where(tl.arange(0, SPLITS_POW2) < n_splits, coop_word_lo(words), 0.0)) / n_cols
+        xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
+                                     n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
+                                     stride_dgate_row, HAS_WEIGHT, HAS_GATE, True, "evict_first")
+        _rms_store_dx(xhat, g, dot + tl.zeros([1], tl.float32), rstd, du_ptr, dx_ptr, rows, cols, mask,
+                      stride_du_row, stride_dx_row, HAS_DU)
+        if HAS_WEIGHT:
+            dw_acc += dn * xhat
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + group * n_cols + cols, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
+
+
 # ---------------------------------------------------------------------------------------------
 # LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var + eps), biased variance
 # ---------------------------------------------------------------------------------------------
@@ -664,3 +717,51 @@ def _layer_norm_bwd_wide_kernel(
             dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy, HAS_WEIGHT, HAS_BIAS)
         _layer_norm_store_partials(dw_acc, db_acc, partial_ptr, pid, tl.num_programs(0), cols, n_cols,
                                    HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _layer_norm_bwd_coop_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
+    dx_ptr, partial_ptr,  # partials: (n_params, n_groups, n_cols) float32, see _layer_norm_store_partials
+    n_rows, n_cols, rows_per_group,
+    stride_dy_row, stride_x_row, stride_dx_row,
+    sync_ptr,  # kernel_lab.shared.coop.workspace
+    n_splits,  # chunks per row
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program
+    SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+):
+    """LayerNorm's backward of rows too long for one program, as _rms_norm_bwd_coop_kernel's
+    except in two points: a chunk's word carries two parts, sum(g * xhat) (lo) and sum(g) (hi),
+    and the loop holds its chunk and loads the next row's before the wait (the one-tile kernel's
+    prefetch) instead of reading it twice (H200 sweep, 1024 x 65536 bf16: 171 against 242-284 us
+    rereading)."""
+    group, split = coop_ticket(sync_ptr, n_splits)
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    row_start = group * rows_per_group
+    row_end = tl.minimum(row_start + rows_per_group, n_rows)
+    dw_acc = tl.zeros([1, CHUNK], tl.float32)
+    db_acc = tl.zeros([1, CHUNK], tl.float32)
+    rows = row_start + tl.arange(0, 1)
+    x, dy, mean, rstd, mask = _layer_norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows, cols, row_end,
+                                                   n_cols, stride_dy_row, stride_x_row, "")
+    for row in tl.range(row_start, row_end):
+        rows = row + tl.arange(0, 1)
+        next_x, next_dy, next_mean, next_rstd, next_mask = _layer_norm_bwd_load(
+            dy_ptr, x_ptr, mean_ptr, rstd_ptr, rows + 1, cols, row_end, n_cols, stride_dy_row, stride_x_row, "")
+        xhat, dy_f32, g = _layer_norm_bwd_terms(x, dy, w_ptr, cols, mask, mean, rstd, n_cols, HAS_WEIGHT)
+        # a sum of +0.0 travels as -0.0, whose sign bit keeps the word non-zero and which adds
+        # nothing (set through the bits: a -0.0 literal compiles to +0.0)
+        part_g = tl.sum(g).to(tl.int32, bitcast=True)
+        part_g = tl.where(part_g == 0, tl.full([], -2147483648, tl.int32), part_g).to(tl.float32, bitcast=True)
+        words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.sum(g * xhat), part_g,
+                                        SPLITS_POW2)
+        in_row = tl.arange(0, SPLITS_POW2) < n_splits
+        dot_gx = tl.sum(tl.where(in_row, coop_word_lo(words), 0.0)) / n_cols + tl.zeros([1], tl.float32)
+        dot_g = tl.sum(tl.where(in_row, coop_word_hi(words), 0.0)) / n_cols + tl.zeros([1], tl.float32)
+        _layer_norm_store_dx(xhat, g, dot_g, dot_gx, rstd, dx_ptr, rows, cols, mask, stride_dx_row)
+        dw_acc, db_acc = _layer_norm_accumulate(dw_acc, db_acc, xhat, dy_f32, HAS_WEIGHT, HAS_BIAS)
+        x, dy, mean, rstd, mask = next_x, next_dy, next_mean, next_rstd, next_mask
+    _layer_norm_store_partials(dw_acc, db_acc, partial_ptr, group, tl.cdiv(n_rows, rows_per_group), cols, n_cols,
+                               HAS_WEIGHT, HAS_BIAS)

@@ -26,10 +26,12 @@ from kernel_lab.shared import coop, partial_sums, reference, runtime
 from kernel_lab.shared.runtime import plan_arg_key
 
 from ._kernels import (
+    _layer_norm_bwd_coop_kernel,
     _layer_norm_bwd_kernel,
     _layer_norm_bwd_wide_kernel,
     _layer_norm_fwd_coop_kernel,
     _layer_norm_fwd_kernel,
+    _rms_norm_bwd_coop_kernel,
     _rms_norm_bwd_kernel,
     _rms_norm_bwd_wide_kernel,
     _rms_norm_fwd_coop_kernel,
@@ -196,6 +198,63 @@ class _Coop:
 # 110.3).
 RMS_FWD_COOP = _Coop(8192, 4096, 4)
 LAYER_NORM_FWD_COOP = _Coop(8192, 4096, 4)
+
+
+@dataclass(frozen=True)
+class _CoopBwd:
+    """The cooperative backward of one kernel variant (CUDA, rows longer than `above_cols`):
+    `chunk` columns a program over num_warps, as many programs as fit the SMs at once (groups of
+    one program per chunk, each group walking a block of rows). registers: a thread's registers
+    in the compiled kernel, (2-byte inputs, float32 inputs), which bound the programs an SM holds."""
+
+    above_cols: int
+    chunk: int
+    num_warps: int
+    registers: tuple[int, int]
+
+    def programs_per_sm(self, element_size: int) -> int:
+        # registers are allocated per warp in multiples of 8 a thread
+        regs = -(-self.registers[element_size == 4] // 8) * 8
+        return max(1, REGISTERS_PER_SM // (regs * 32 * self.num_warps))
+
+
+# The backward of rows past the one-tile kernels' reach reads x and dy once (the wide kernel
+# reads them twice: 10 bytes a bf16 element instead of 6). Small chunks, many programs: a program
+# waits on its row's other chunks once a row, and the SM keeps DRAM busy with the others'
+# loads. H200 sweep, scratch (bf16, kernel + sum_partials as CUDA-graph replays alternated with
+# the launcher's kernel of the time in each of seven rounds; chunks {1024, 2048, 4096} x {2, 4,
+# 8} warps x {8, 16, 32} programs per SM x the chunk held across the wait, read again after it,
+# or held with the next row's prefetched): RMSNorm 142.5 against 184.6 us (wide kernel) at 1024 x
+# 65536 and 139.4 against 172.9 at 2048 x 32768, reading again; LayerNorm, prefetching, 171.4
+# against 220.9, 167.2 against 205.4 and, past its one-tile kernel's prefetch limit, 163.1
+# against 182.5 at 4096 x 16384.
+# What decided most was whether all the programs launched fit the SMs at once: a group that has
+# to wait for an SM runs after the others, a second wave. A second H200 run through the
+# launchers, the same method: LayerNorm at 4 programs per SM (what fits) against 8, 169.8 /
+# 162.4 / 158.5 against 173.6 / 169.4 / 164.6 us at the three shapes above (219.8 / 203.0 /
+# 183.8 before); the residual RMSNorm at 1024 x 65536, 188.4 us at 6 (what fits) against 248.0 at
+# 8 and 236.7 for the wide kernel. Hence the grid from the registers, counted offline (ptxas -v,
+# sm_90a, triton 3.6, scratch): a kernel that needs more only queues its last groups.
+REGISTERS_PER_SM = 65536  # every NVIDIA GPU from sm_50 to sm_100
+RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (128, 168))
+RESIDUAL_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (168, 177))
+GATED_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (249, 251))
+LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 2048, 2, (255, 252))
+
+
+def _bwd_coop_groups(n_rows: int, n_cols: int, element_size: int, device: torch.device,
+                     c: _CoopBwd) -> tuple[int, int, int]:
+    """(n_splits, n_groups, rows_per_group) of the cooperative backward, n_splits 0 where another
+    kernel runs: rows of at most c.above_cols, the interpreter (a wait there never ends), more
+    chunks than the GPU keeps running at once."""
+    if n_cols <= c.above_cols or device.type != "cuda" or runtime.interpret_mode():
+        return 0, 0, 0
+    n_splits = runtime.cdiv(n_cols, c.chunk)
+    if n_splits > coop.max_chunks(device):
+        return 0, 0, 0
+    n_groups = max(1, min(n_rows, runtime.sm_count(device) * c.programs_per_sm(element_size) // n_splits))
+    rows_per_group = runtime.cdiv(n_rows, n_groups)
+    return n_splits, runtime.cdiv(n_rows, rows_per_group), rows_per_group
 
 
 def _fwd_coop_splits(n_cols: int, device: torch.device, c: _Coop) -> int:
@@ -413,10 +472,10 @@ def rms_norm_bwd(
     z2 = None if gate is None else runtime.rows_view(gate)
     du2 = None if du is None else runtime.rows_view(du)
     if via_op:
-        launch, n_programs, ints, wide = _rms_bwd_recipe(dy2, x2, z2, weight, du2, traced=True)
+        launch, n_programs, ints, kind = _rms_bwd_recipe(dy2, x2, z2, weight, du2, traced=True)
     else:
         key = ("rms_norm_bwd", device, x2.shape, *map(plan_arg_key, (dy2, x2, z2, weight, rstd, du2)))
-        launch, n_programs, ints, wide = _RECIPES.get(key) or _remember(
+        launch, n_programs, ints, kind = _RECIPES.get(key) or _remember(
             key, _rms_bwd_recipe(dy2, x2, z2, weight, du2, plan=key))
     dx2 = runtime.rows_view(dx)
     # dweight's partial sums, a row per program; without a weight the kernel writes none and dx
@@ -424,8 +483,10 @@ def rms_norm_bwd(
     partial = dx2 if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
     tensors = (dy2, x2, x2 if z2 is None else z2, x2 if weight is None else weight, rstd,
                dx2 if du2 is None else du2, dx2, dx2 if dgate is None else runtime.rows_view(dgate), partial)
-    if wide:  # + each row's dot, float32 scratch
+    if kind == "wide":  # + each row's dot, float32 scratch
         launch(*tensors, torch.empty(n_rows, dtype=torch.float32, device=device), n_rows, n_cols, offset, *ints)
+    elif kind == "coop":  # ints: rows a group, the strides, then the chunks a row
+        launch(*tensors, n_rows, n_cols, offset, *ints[:-1], coop.workspace(n_rows, ints[-1], device), ints[-1])
     else:
         launch(*tensors, n_rows, n_cols, offset, *ints)
     return dx, dgate, None if weight is None else partial_sums.sum_partials(partial, weight.dtype, via_op)
@@ -433,8 +494,10 @@ def rms_norm_bwd(
 
 def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tuple | None = None) -> tuple:
     """What `rms_norm_bwd` launches for these shapes: (launch, n_programs, integer arguments
-    after offset, wide). The launch is the one-tile kernel, or the wide kernel (wide: it also
-    takes a dot buffer after the partial sums), indexed with its grid, its constexprs bound."""
+    after offset, kind). The launch is the kernel indexed with its grid, its constexprs bound;
+    n_programs is the rows of the partial sums. kind: "tile" (the one-tile kernel), "coop"
+    (the cooperative kernel: the integers end with the chunks a row, which follow its
+    workspace) or "wide" (the wide kernel: it also takes a dot buffer after the partial sums)."""
     n_rows, n_cols = x2.shape
     if z2 is not None:
         bwd = LONG_ROW_RMS_BWD if n_cols >= GATED_RMS_BWD_LONG_FROM else GATED_RMS_BWD
@@ -442,19 +505,27 @@ def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tup
         bwd = LONG_ROW_RMS_BWD if n_cols >= RESIDUAL_RMS_BWD_LONG_FROM else RESIDUAL_RMS_BWD
     else:
         bwd = RMS_BWD
-    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, bwd)
-    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, RMS_WIDE, bwd)
     flags = dict(HAS_WEIGHT=weight is not None, HAS_GATE=z2 is not None, HAS_DU=du2 is not None)
     # dx and dgate are fresh and contiguous (rows n_cols apart); absent gate and du stand in as x and dx
     strides = (dy2.stride(0), x2.stride(0), (x2 if z2 is None else z2).stride(0),
                n_cols if du2 is None else du2.stride(0), n_cols, n_cols)
+    c = GATED_RMS_BWD_COOP if z2 is not None else RESIDUAL_RMS_BWD_COOP if du2 is not None else RMS_BWD_COOP
+    n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device, c)
+    if n_splits:
+        launch = functools.partial(
+            runtime.launchable(_rms_norm_bwd_coop_kernel, traced, plan)[(n_groups * n_splits,)], **flags,
+            CHUNK=c.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits), num_warps=c.num_warps,
+        )
+        return launch, n_groups, (rows_per_group, *strides, n_splits), "coop"
+    t = _bwd_tile(n_rows, n_cols, BWD_MAX_FUSED_COLS, RMS_WIDE, bwd)
+    n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, RMS_WIDE, bwd)
     if t.one_tile:
         launch = functools.partial(runtime.launchable(_rms_norm_bwd_kernel, traced, plan)[(n_programs,)],
                                    **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps)
-        return launch, n_programs, strides, False
+        return launch, n_programs, strides, "tile"
     launch = functools.partial(runtime.launchable(_rms_norm_bwd_wide_kernel, traced, plan)[(n_programs,)],
                                **flags, BLOCK_N=t.block_n, num_warps=t.num_warps)
-    return launch, n_programs, (rows_per_program, *strides), True
+    return launch, n_programs, (rows_per_program, *strides), "wide"
 
 
 def layer_norm_fwd(
@@ -537,17 +608,19 @@ def layer_norm_bwd(
     x2, dy2 = runtime.rows_view(x), runtime.rows_view(dy)
     n_rows, n_cols = x2.shape
     if via_op:
-        launch, partial_shape, ints, wide = _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, traced=True)
+        launch, partial_shape, ints, kind = _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, traced=True)
     else:
         key = ("layer_norm_bwd", device, x2.shape, bias is None, *map(plan_arg_key, (dy2, x2, weight, mean, rstd)))
-        launch, partial_shape, ints, wide = _RECIPES.get(key) or _remember(
+        launch, partial_shape, ints, kind = _RECIPES.get(key) or _remember(
             key, _layer_norm_bwd_recipe(dy2, x2, weight, bias is not None, plan=key))
     dx2 = runtime.rows_view(dx)
     # without a weight or bias the kernel writes no partial sums, and dx stands in
     partial = dx2 if partial_shape is None else torch.empty(partial_shape, dtype=torch.float32, device=device)
     tensors = (dy2, x2, x2 if weight is None else weight, mean, rstd, dx2, partial)
-    if wide:  # + each row's two dots, float32 scratch
+    if kind == "wide":  # + each row's two dots, float32 scratch
         launch(*tensors, torch.empty((n_rows, 2), dtype=torch.float32, device=device), n_rows, n_cols, *ints)
+    elif kind == "coop":  # ints: rows a group, the strides, then the chunks a row
+        launch(*tensors, n_rows, n_cols, *ints[:-1], coop.workspace(n_rows, ints[-1], device), ints[-1])
     else:
         launch(*tensors, n_rows, n_cols, *ints)
     dw_partial = db_partial = partial
@@ -561,28 +634,40 @@ def layer_norm_bwd(
 def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = False,
                            plan: tuple | None = None) -> tuple:
     """What `layer_norm_bwd` launches for these shapes: (launch, shape of the partial sums or
-    None without parameters, integer arguments after n_cols, wide). The launch is the one-tile
-    kernel, or the wide kernel (wide: it also takes a dot buffer after the partial sums),
-    indexed with its grid, its constexprs bound."""
+    None without parameters, integer arguments after n_cols, kind), kind as in `_rms_bwd_recipe`.
+    On CUDA the cooperative kernel takes the rows that the one-tile kernel would reread
+    (LAYER_NORM_BWD_COOP.above_cols = LAYER_NORM_BWD_PREFETCH_MAX_COLS) and longer ones."""
     n_rows, n_cols = x2.shape
+    # one (n_programs, n_cols) slab of partial sums per parameter present, dweight's first
+    n_params = (weight is not None) + has_bias
+
+    def partial_shape(n_programs: int) -> tuple | None:
+        return None if n_params == 0 else (n_programs, n_cols) if n_params == 1 else (2, n_programs, n_cols)
+
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias)
+    strides = (dy2.stride(0), x2.stride(0), n_cols)  # dx: fresh and contiguous
+    n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device,
+                                                          LAYER_NORM_BWD_COOP)
+    if n_splits:
+        launch = functools.partial(
+            runtime.launchable(_layer_norm_bwd_coop_kernel, traced, plan)[(n_groups * n_splits,)], **flags,
+            CHUNK=LAYER_NORM_BWD_COOP.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits),
+            num_warps=LAYER_NORM_BWD_COOP.num_warps,
+        )
+        return launch, partial_shape(n_groups), (rows_per_group, *strides, n_splits), "coop"
     reread = runtime.next_power_of_2(n_cols) > LAYER_NORM_BWD_PREFETCH_MAX_COLS
     bwd_plan = LAYER_NORM_BWD_REREAD if reread else LAYER_NORM_BWD
     t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, bwd_plan,
                   LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, bwd_plan)
-    # one (n_programs, n_cols) slab of partial sums per parameter present, dweight's first
-    n_params = (weight is not None) + has_bias
-    partial_shape = None if n_params == 0 else (n_programs, n_cols) if n_params == 1 else (2, n_programs, n_cols)
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias)
-    strides = (dy2.stride(0), x2.stride(0), n_cols)  # dx: fresh and contiguous
     if t.one_tile:
         launch = functools.partial(runtime.launchable(_layer_norm_bwd_kernel, traced, plan)[(n_programs,)],
                                    **flags, REREAD=reread, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                    num_warps=t.num_warps)
-        return launch, partial_shape, strides, False
+        return launch, partial_shape(n_programs), strides, "tile"
     launch = functools.partial(runtime.launchable(_layer_norm_bwd_wide_kernel, traced, plan)[(n_programs,)],
                                **flags, BLOCK_N=t.block_n, num_warps=t.num_warps)
-    return launch, partial_shape, (rows_per_program, *strides), True
+    return launch, partial_shape(n_programs), (rows_per_program, *strides), "wide"
 
 
 # ---------------------------------------------------------------------------------------------
