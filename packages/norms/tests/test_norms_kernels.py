@@ -43,8 +43,8 @@ def small_blocks(monkeypatch):
             monkeypatch.setattr(ops, loop, ops._Loop(loop_block, 2, 4))
         for coop in ("RMS_FWD_COOP", "LAYER_NORM_FWD_COOP"):
             monkeypatch.setattr(ops, coop, ops._Coop(loop_block, loop_block // 2, 1))
-        for coop in ("RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "GATED_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"):
-            monkeypatch.setattr(ops, coop, ops._CoopBwd(max_fused, loop_block, 1, (1024, 1024)))
+        for coop in ("RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"):
+            monkeypatch.setattr(ops, coop, ops._CoopBwd(max_fused, loop_block, 1, (2, 2)))
 
     return shrink
 
@@ -175,7 +175,7 @@ def test_layer_norm_backward_rereading_tiles_matches_reference(affine, n_cols, r
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_PREFETCH_MAX_COLS", 32)
     monkeypatch.setattr(ops, "LAYER_NORM_BWD_REREAD", ops._BwdPlan(128, 128, 1))
     # (on CUDA the cooperative kernel would take these rows: kept to the one-tile kernel here)
-    monkeypatch.setattr(ops, "LAYER_NORM_BWD_COOP", ops._CoopBwd(1 << 30, 2048, 2, (255, 252)))
+    monkeypatch.setattr(ops, "LAYER_NORM_BWD_COOP", ops._CoopBwd(1 << 30, 2048, 2, (4, 4)))
     _forget_recipes(monkeypatch)
     sms = runtime.sm_count(torch.device(kernel_device))
     inputs = make_inputs("layer_norm", (3 * sms + 1, n_cols), torch.float32, kernel_device, seed, shift=1.5)
@@ -307,7 +307,7 @@ def test_cooperative_forward_matches_reference(op, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ["rms_norm", "residual_rms_norm", "layer_norm"])
 @pytest.mark.parametrize("n_rows, n_cols, dtype",
                          [(1000, 50001, torch.bfloat16), (37, 16385, torch.float32), (5, 131072, torch.float16)])
 def test_cooperative_backward_matches_reference(op, n_rows, n_cols, dtype, seed):
@@ -318,9 +318,10 @@ def test_cooperative_backward_matches_reference(op, n_rows, n_cols, dtype, seed)
     than the groups the GPU could hold (5 and 37), float32 and float16, strided rows (NaN
     padding), and gradients of exactly 0: whole rows and a whole chunk of every row, so that
     chunks publish sums of +0.0 (LayerNorm's sum(g) travels as -0.0 to keep its word non-zero;
-    a zero word would read as not yet published, and the row would wait forever)."""
+    a zero word would read as not yet published, and the row would wait forever). (The gated
+    RMSNorm keeps the wide kernel: the tests of long rows above cover it.)"""
     c = {"rms_norm": ops.RMS_BWD_COOP, "residual_rms_norm": ops.RESIDUAL_RMS_BWD_COOP,
-         "rms_norm_gated": ops.GATED_RMS_BWD_COOP, "layer_norm": ops.LAYER_NORM_BWD_COOP}[op]
+         "layer_norm": ops.LAYER_NORM_BWD_COOP}[op]
     n_splits, n_groups, rows_per_group = ops._bwd_coop_groups(n_rows, n_cols, dtype.itemsize, torch.device("cuda"), c)
     assert n_splits == runtime.cdiv(n_cols, c.chunk) > 1 and n_groups == runtime.cdiv(n_rows, rows_per_group)
     inputs = make_inputs(op, (n_rows, n_cols), dtype, "cuda", seed, weight_dtype=torch.float32,

@@ -13,7 +13,7 @@ the third shape instead, `*_fwd_coop_kernel`: the row is cut into chunks across 
 exchange their statistics (kernel_lab.shared.coop) and each read their chunk twice, the second
 time from L2, so that many programs share each row.
 
-Backward, two kernels per family:
+Backward, three kernels per family:
 - `*_bwd_kernel`: a row fits in registers. A persistent grid (a few programs per SM) walks
   row blocks; each program keeps its share of dweight (and dbias) in registers and writes one
   row of a (n_programs, n_cols) float32 buffer of partial sums at the end, which the launcher
@@ -25,7 +25,13 @@ Backward, two kernels per family:
   rows. Phase 1 computes each row's reductions (the "dot" terms of the dx formula) into a
   small float32 buffer; phase 2 walks column chunks and, within a chunk, the block's rows, so
   that chunk's dweight partial stays in registers. x and dy are read twice (10 instead of 6
-  bytes per bf16 element): the price of a dweight without atomics or L2-sized scratch.
+  bytes per bf16 element): the price of a dweight without atomics or L2-sized scratch. It runs
+  where the third does not: the interpreter, the gated RMSNorm (slower there), rows of more
+  chunks than SMs.
+- `*_bwd_coop_kernel` (CUDA): a row too long for registers (for LayerNorm, also one its
+  one-tile kernel would read twice), read once. Groups of programs, one
+  per column chunk, walk blocks of rows together, exchanging each row's dot terms
+  (kernel_lab.shared.coop); each program keeps its chunk's dweight in registers across its rows.
 
 All statistics and sums are float32 whatever the input dtype; masked lanes load 0 so that they
 add nothing to any sum.

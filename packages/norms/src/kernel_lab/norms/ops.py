@@ -166,13 +166,10 @@ RMS_LOOP = _Loop(16384, 32, 1)
 LAYER_NORM_LOOP = _Loop(16384, 16, 4)
 RMS_WIDE = _Loop(16384, 16, 1)
 LAYER_NORM_WIDE = _Loop(8192, 16, 1)
-# (Tried and dropped: a cooperative RMSNorm backward for long rows (kernel_lab.shared.coop), each
-# program holding one column chunk of a row group's rows in turn, publishing its part of each
-# row's dot and keeping the chunk's dweight in registers: x and dy read once instead of twice.
-# H200, bf16, against the wide kernel in one process (scratch): slower at 1024 x 65536 (215
-# against 186 us plain, 220 against 215 residual; only the gated variant faster, 298 against 312)
-# and at 2048 x 32768 (193 against 176 plain). Its programs hold their chunk across a wait on
-# every row, so few fit an SM, and a group's programs move in lockstep.)
+# (A first cooperative RMSNorm backward, tried in scratch and never released, was slower than the
+# wide kernel on an H200 (215 against 186 us at 1024 x 65536): its programs held their chunk
+# across every row's wait, so few fit an SM. The one now used (RMS_BWD_COOP below) holds nothing
+# across the wait and runs as many small programs as fit.)
 
 
 @dataclass(frozen=True)
@@ -203,19 +200,13 @@ LAYER_NORM_FWD_COOP = _Coop(8192, 4096, 4)
 @dataclass(frozen=True)
 class _CoopBwd:
     """The cooperative backward of one kernel variant (CUDA, rows longer than `above_cols`):
-    `chunk` columns a program over num_warps, as many programs as fit the SMs at once (groups of
-    one program per chunk, each group walking a block of rows). registers: a thread's registers
-    in the compiled kernel, (2-byte inputs, float32 inputs), which bound the programs an SM holds."""
+    `chunk` columns a program over num_warps, programs_per_sm programs per SM in all, for 2-byte
+    and for float32 inputs (groups of one program per chunk, each group walking a block of rows)."""
 
     above_cols: int
     chunk: int
     num_warps: int
-    registers: tuple[int, int]
-
-    def programs_per_sm(self, element_size: int) -> int:
-        # registers are allocated per warp in multiples of 8 a thread
-        regs = -(-self.registers[element_size == 4] // 8) * 8
-        return max(1, REGISTERS_PER_SM // (regs * 32 * self.num_warps))
+    programs_per_sm: tuple[int, int]
 
 
 # The backward of rows past the one-tile kernels' reach reads x and dy once (the wide kernel
@@ -228,18 +219,20 @@ class _CoopBwd:
 # 65536 and 139.4 against 172.9 at 2048 x 32768, reading again; LayerNorm, prefetching, 171.4
 # against 220.9, 167.2 against 205.4 and, past its one-tile kernel's prefetch limit, 163.1
 # against 182.5 at 4096 x 16384.
-# What decided most was whether all the programs launched fit the SMs at once: a group that has
-# to wait for an SM runs after the others, a second wave. A second H200 run through the
-# launchers, the same method: LayerNorm at 4 programs per SM (what fits) against 8, 169.8 /
-# 162.4 / 158.5 against 173.6 / 169.4 / 164.6 us at the three shapes above (219.8 / 203.0 /
-# 183.8 before); the residual RMSNorm at 1024 x 65536, 188.4 us at 6 (what fits) against 248.0 at
-# 8 and 236.7 for the wide kernel. Hence the grid from the registers, counted offline (ptxas -v,
-# sm_90a, triton 3.6, scratch): a kernel that needs more only queues its last groups.
-REGISTERS_PER_SM = 65536  # every NVIDIA GPU from sm_50 to sm_100
-RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (128, 168))
-RESIDUAL_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (168, 177))
-GATED_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (249, 251))
-LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 2048, 2, (255, 252))
+# Programs per SM: what fits the SM's registers at once (a group that must wait for an SM runs
+# after the others, a second wave), counted offline (ptxas -v, sm_90a, triton 3.6: 128 registers a
+# thread for RMSNorm, 168 with du, 255 for LayerNorm, at 2 warps: 8, 6 and 4 programs), then
+# checked through the launchers (same method, scratch). H200: LayerNorm at 4 against 8, 169.8 /
+# 162.4 / 158.5 against 173.6 / 169.4 / 164.6 us at the three shapes above; residual RMSNorm at
+# 1024 x 65536, 188.4 us at 6 against 248.0 at 8 (wide kernel 236.7). H100: residual 220.7
+# against 309.5 (wide) at 1024 x 65536, 232.6 against 297.2 at 2048 x 32768; float32 inputs (more
+# registers) at 1024 x 65536, RMSNorm 280.3 us at 8 against 370.6 at 6 (wide 501.6), LayerNorm
+# 291.3 at 4 (one-tile 505.9). Float32 residual rows keep 6, not measured.
+# The gated variant stays on the wide kernel: cooperative at 4 programs per SM (249 registers),
+# 2 or 4 warps, it lost at 1024 x 65536 (H100: 487.6 against 407.9 us) and tied at 2048 x 32768.
+RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (8, 8))
+RESIDUAL_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (6, 6))
+LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 2048, 2, (4, 4))
 
 
 def _bwd_coop_groups(n_rows: int, n_cols: int, element_size: int, device: torch.device,
@@ -252,7 +245,8 @@ def _bwd_coop_groups(n_rows: int, n_cols: int, element_size: int, device: torch.
     n_splits = runtime.cdiv(n_cols, c.chunk)
     if n_splits > coop.max_chunks(device):
         return 0, 0, 0
-    n_groups = max(1, min(n_rows, runtime.sm_count(device) * c.programs_per_sm(element_size) // n_splits))
+    programs = runtime.sm_count(device) * c.programs_per_sm[element_size == 4]
+    n_groups = max(1, min(n_rows, programs // n_splits))
     rows_per_group = runtime.cdiv(n_rows, n_groups)
     return n_splits, runtime.cdiv(n_rows, rows_per_group), rows_per_group
 
@@ -509,8 +503,10 @@ def _rms_bwd_recipe(dy2, x2, z2, weight, du2, *, traced: bool = False, plan: tup
     # dx and dgate are fresh and contiguous (rows n_cols apart); absent gate and du stand in as x and dx
     strides = (dy2.stride(0), x2.stride(0), (x2 if z2 is None else z2).stride(0),
                n_cols if du2 is None else du2.stride(0), n_cols, n_cols)
-    c = GATED_RMS_BWD_COOP if z2 is not None else RESIDUAL_RMS_BWD_COOP if du2 is not None else RMS_BWD_COOP
-    n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device, c)
+    n_splits = 0
+    if z2 is None:  # (the gated variant stays on the wide kernel: see RMS_BWD_COOP)
+        c = RESIDUAL_RMS_BWD_COOP if du2 is not None else RMS_BWD_COOP
+        n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device, c)
     if n_splits:
         launch = functools.partial(
             runtime.launchable(_rms_norm_bwd_coop_kernel, traced, plan)[(n_groups * n_splits,)], **flags,
