@@ -228,11 +228,15 @@ class _CoopBwd:
 # against 309.5 (wide) at 1024 x 65536, 232.6 against 297.2 at 2048 x 32768; float32 inputs (more
 # registers) at 1024 x 65536, RMSNorm 280.3 us at 8 against 370.6 at 6 (wide 501.6), LayerNorm
 # 291.3 at 4 (one-tile 505.9). Float32 residual rows keep 6, not measured.
+# LayerNorm's tile, later: 1024-column chunks over 1 warp (254 registers, 8 programs per SM)
+# against 2048 over 2 (4 per SM), H200, 1024 x 65536 bf16, two runs: 146.2 / 147.3 against
+# 168.2 / 166.3 us (4096 columns over 4 warps, 2 per SM: 144.6 / 147.0; 1024 over 2 warps at 6 per
+# SM, 193.0). Not measured on an H100, where 2048 over 2 ran 185.8 us (history 0026).
 # The gated variant stays on the wide kernel: cooperative at 4 programs per SM (249 registers),
 # 2 or 4 warps, it lost at 1024 x 65536 (H100: 487.6 against 407.9 us) and tied at 2048 x 32768.
 RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (8, 8))
 RESIDUAL_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (6, 6))
-LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 2048, 2, (4, 4))
+LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 1024, 1, (8, 8))
 
 
 def _bwd_coop_groups(n_rows: int, n_cols: int, element_size: int, device: torch.device,
