@@ -49,6 +49,35 @@ def small_blocks(monkeypatch):
     return shrink
 
 
+# --- launch plans (host arithmetic, no kernel) ------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", ["RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_cooperative_backward_grid_fits_the_gpu(plan, element_size, monkeypatch):
+    """The cooperative backward's grid on a 132-SM GPU (an H100's count; no GPU needed): every
+    row in exactly one group, no group without rows, never more programs than the plan's
+    programs per SM fill, never more chunks a row than SMs (kernel_lab.shared.coop), and no
+    cooperative launch at all for rows its one-tile kernel takes or under the interpreter."""
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ops.runtime, "interpret_mode", lambda: False)
+    c = getattr(ops, plan)
+    cuda = torch.device("cuda", 0)
+    for n_rows in (1, 5, 37, 1000, 1024, 4097):
+        for n_cols in (c.above_cols + 1, 50001, 65536, 131072, 132 * c.chunk, 132 * c.chunk + 1):
+            n_splits, n_groups, rows_per_group = ops._bwd_coop_groups(n_rows, n_cols, element_size, cuda, c)
+            if n_cols > 132 * c.chunk:
+                assert n_splits == 0, (n_rows, n_cols)
+                continue
+            assert n_splits == runtime.cdiv(n_cols, c.chunk), (n_rows, n_cols)
+            assert (n_groups - 1) * rows_per_group < n_rows <= n_groups * rows_per_group, (n_rows, n_cols)
+            assert n_groups * n_splits <= max(132 * c.programs_per_sm[element_size == 4], n_splits)
+    assert ops._bwd_coop_groups(1024, c.above_cols, element_size, cuda, c)[0] == 0
+    assert ops._bwd_coop_groups(1024, 65536, element_size, torch.device("cpu"), c)[0] == 0
+    monkeypatch.setattr(ops.runtime, "interpret_mode", lambda: True)
+    assert ops._bwd_coop_groups(1024, 65536, element_size, cuda, c)[0] == 0
+
+
 # --- interpret tier ------------------------------------------------------------------------------
 
 
