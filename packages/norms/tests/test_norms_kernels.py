@@ -13,7 +13,7 @@ import torch
 
 import kernel_lab.norms.ops as ops
 from kernel_lab.norms import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
-from kernel_lab.shared import reference, runtime, testing
+from kernel_lab.shared import coop, reference, runtime, testing
 
 # nox runs pytest with --import-mode=importlib, which leaves this folder off sys.path
 sys.path.insert(0, str(Path(__file__).parent))
@@ -41,10 +41,10 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "LAYER_NORM_BWD_MAX_FUSED_COLS", max_fused)
         for loop in ("RMS_LOOP", "LAYER_NORM_LOOP", "RMS_WIDE", "LAYER_NORM_WIDE"):
             monkeypatch.setattr(ops, loop, ops._Loop(loop_block, 2, 4))
-        for coop in ("RMS_FWD_COOP", "LAYER_NORM_FWD_COOP"):
-            monkeypatch.setattr(ops, coop, ops._Coop(loop_block, loop_block // 2, 1))
-        for coop in ("RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"):
-            monkeypatch.setattr(ops, coop, ops._CoopBwd(max_fused, loop_block, 1, (2, 2)))
+        for plan in ("RMS_FWD_COOP", "LAYER_NORM_FWD_COOP"):
+            monkeypatch.setattr(ops, plan, ops._Coop(loop_block, loop_block // 2, 1))
+        for plan in ("RMS_BWD_COOP", "RESIDUAL_RMS_BWD_COOP", "LAYER_NORM_BWD_COOP"):
+            monkeypatch.setattr(ops, plan, ops._CoopBwd(max_fused, loop_block, 1, (2, 2)))
 
     return shrink
 
@@ -151,7 +151,8 @@ def test_layer_norm_matches_reference(dtype, shape, affine, kernel_device, seed)
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_layer_norm_with_one_affine_parameter(present, long_rows, small_blocks, kernel_device, seed):
     """The backward kernels write one slab of partial sums per parameter present: with only the
-    bias, its slab is the first (one-tile and wide kernels)."""
+    bias, its slab is the first (one-tile kernel, and long rows: the wide kernel under the
+    interpreter, the cooperative one on CUDA)."""
     if long_rows:
         small_blocks(64, 32)
     inputs = make_inputs("layer_norm", (9, 100), torch.float32, kernel_device, seed, shift=1.0)
@@ -164,7 +165,8 @@ def test_layer_norm_with_one_affine_parameter(present, long_rows, small_blocks, 
 @pytest.mark.parametrize("n_rows, n_cols", [(9, 300), (3, 65)])
 def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel_device, seed):
     # rows longer than 64 columns loop in 32-column steps (masked tails included) in the forward
-    # and take the wide two-phase backward; 9 rows over 4 stand-in SMs x 4 programs leave some
+    # and take the wide two-phase backward (the cooperative one on CUDA, but for the gated
+    # RMSNorm); 9 rows over 4 stand-in SMs x 4 programs leave some
     # programs without rows
     small_blocks(64, 32)
     assert ops._fwd_tile(n_rows, n_cols, ops.RMS_LOOP).one_tile is False
@@ -336,25 +338,34 @@ def test_cooperative_forward_matches_reference(op, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["rms_norm", "residual_rms_norm", "layer_norm"])
+@pytest.mark.parametrize("op, affine", [("rms_norm", "weight"), ("rms_norm", "none"), ("residual_rms_norm", "weight"),
+                                        ("layer_norm", "both"), ("layer_norm", "bias"), ("layer_norm", "none")])
 @pytest.mark.parametrize("n_rows, n_cols, dtype",
                          [(1000, 50001, torch.bfloat16), (37, 16385, torch.float32), (5, 131072, torch.float16)])
-def test_cooperative_backward_matches_reference(op, n_rows, n_cols, dtype, seed):
+def test_cooperative_backward_matches_reference(op, affine, n_rows, n_cols, dtype, seed):
     """Rows past the one-tile backwards' reach (RMSNorm: 16384 columns, LayerNorm: 8192) run the
     cooperative backward on CUDA: groups of programs, one per chunk of a row, exchanging each
     row's dot terms (kernel_lab.shared.coop), each group walking a block of rows. Odd lengths (a
     short last chunk), more rows than groups with a short last group (1000 rows), fewer rows
     than the groups the GPU could hold (5 and 37), float32 and float16, strided rows (NaN
-    padding), and gradients of exactly 0: whole rows and a whole chunk of every row, so that
-    chunks publish sums of +0.0 (LayerNorm's sum(g) travels as -0.0 to keep its word non-zero;
-    a zero word would read as not yet published, and the row would wait forever). (The gated
-    RMSNorm keeps the wide kernel: the tests of long rows above cover it.)"""
+    padding), with and without the affine parameters (no partial sums written), and gradients
+    of exactly 0: whole rows and a whole chunk of every row, so that chunks publish sums of +0.0
+    (LayerNorm's sum(g) travels as -0.0 to keep its word non-zero; a zero word would read as not
+    yet published, and the row would wait forever). The widest rows are cut to what the GPU's
+    SM count allows (at most one chunk a row per SM). (The gated RMSNorm keeps the wide kernel:
+    the tests of long rows above cover it.)"""
     c = {"rms_norm": ops.RMS_BWD_COOP, "residual_rms_norm": ops.RESIDUAL_RMS_BWD_COOP,
          "layer_norm": ops.LAYER_NORM_BWD_COOP}[op]
-    n_splits, n_groups, rows_per_group = ops._bwd_coop_groups(n_rows, n_cols, dtype.itemsize, torch.device("cuda"), c)
+    cuda = torch.device("cuda")
+    n_cols = min(n_cols, coop.max_chunks(cuda) * c.chunk - 3)
+    n_splits, n_groups, rows_per_group = ops._bwd_coop_groups(n_rows, n_cols, dtype.itemsize, cuda, c)
     assert n_splits == runtime.cdiv(n_cols, c.chunk) > 1 and n_groups == runtime.cdiv(n_rows, rows_per_group)
     inputs = make_inputs(op, (n_rows, n_cols), dtype, "cuda", seed, weight_dtype=torch.float32,
                          shift=2.0 if op == "layer_norm" else 0.0)
+    if affine in ("none", "bias"):
+        inputs["weight"] = None
+    if affine in ("none", "weight") and "bias" in inputs:
+        inputs["bias"] = None
     padded = torch.full((n_rows, n_cols + 7), float("nan"), dtype=dtype, device="cuda")
     padded[:, :n_cols] = inputs["x"]
     inputs["x"] = padded[:, :n_cols]
@@ -388,9 +399,10 @@ def test_float16_llm_size_with_leading_dims(op, seed):
 def test_torch_compile_fullgraph_inductor(op, dynamic, seed):
     torch._dynamo.reset()
     compiled = torch.compile(lambda **kw: _call(op, kw), fullgraph=True, dynamic=dynamic)
-    # new row counts, then a new hidden size; outputs and gradients of the compiled graph
-    # against the reference, as for the eager op
-    for i, shape in enumerate([(300, 4096), (77, 4096), (129, 1000)]):
+    # new row counts, then new hidden sizes (the last one past 16384 columns: the cooperative
+    # forward and backward, workspace allocated inside the traced op); outputs and gradients of
+    # the compiled graph against the reference, as for the eager op
+    for i, shape in enumerate([(300, 4096), (77, 4096), (129, 1000), (40, 20000)]):
         inputs = make_inputs(op, shape, torch.bfloat16, "cuda", seed + i)
         check_op(op, inputs, seed=seed + i,
                  fn=lambda _op, ins, _eps, _offset: compiled(**{k: v for k, v in ins.items() if v is not None}))

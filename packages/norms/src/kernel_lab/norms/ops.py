@@ -57,7 +57,9 @@ FWD_MAX_FUSED_COLS = 16384
 # with its partial sums (203-212 us at 2-3 programs per SM; 253 at 16 warps, 417 at 32: the
 # dweight and dbias accumulators of a 16384-column row fill half an SM's registers, and an
 # offline sm_90a compile, ptxas -v, still spills 200 bytes a thread at 8 warps (255 registers)
-# and 220 at 16 (128 registers)).
+# and 220 at 16 (128 registers)). Since kernel-lab-norms 0.1.16 the cooperative backward takes
+# those LayerNorm rows on CUDA (LAYER_NORM_BWD_COOP): the rereading kernel runs where it does not
+# (the interpreter, non-CUDA devices).
 BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_MAX_FUSED_COLS = 16384
 LAYER_NORM_BWD_PREFETCH_MAX_COLS = 8192
@@ -116,8 +118,9 @@ GATED_RMS_BWD_LONG_FROM = 16384
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
 # ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
-# LayerNorm rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS (the rereading kernel): 8 warps, one
-# program per SM (H100 sweep: see LAYER_NORM_BWD_MAX_FUSED_COLS).
+# LayerNorm rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS (the rereading kernel, where the
+# cooperative one does not run): 8 warps, one program per SM (H100 sweep: see
+# LAYER_NORM_BWD_MAX_FUSED_COLS).
 LAYER_NORM_BWD_REREAD = _BwdPlan(64, 16384, 8)
 # (Tried and dropped: each row block's columns split over 2-8 programs, every one taking the
 # row's two dots over the whole row in 4096-column steps and then dx and the accumulators of its
@@ -220,18 +223,21 @@ class _CoopBwd:
 # against 220.9, 167.2 against 205.4 and, past its one-tile kernel's prefetch limit, 163.1
 # against 182.5 at 4096 x 16384.
 # Programs per SM: what fits the SM's registers at once (a group that must wait for an SM runs
-# after the others, a second wave), counted offline (ptxas -v, sm_90a, triton 3.6: 128 registers a
-# thread for RMSNorm, 168 with du, 255 for LayerNorm, at 2 warps: 8, 6 and 4 programs), then
-# checked through the launchers (same method, scratch). H200: LayerNorm at 4 against 8, 169.8 /
+# after the others, a second wave), counted offline (ptxas -v, sm_90a, triton 3.6, aligned bf16
+# rows: 128 registers a thread for RMSNorm, as the GPU reported, 168 with du, 255 for LayerNorm,
+# at 2 warps: 8, 6 and 4 programs; rows whose length is not a multiple of 16 compile to more),
+# then checked through the launchers (same method, scratch). H200: LayerNorm at 4 against 8, 169.8 /
 # 162.4 / 158.5 against 173.6 / 169.4 / 164.6 us at the three shapes above; residual RMSNorm at
 # 1024 x 65536, 188.4 us at 6 against 248.0 at 8 (wide kernel 236.7). H100: residual 220.7
 # against 309.5 (wide) at 1024 x 65536, 232.6 against 297.2 at 2048 x 32768; float32 inputs (more
 # registers) at 1024 x 65536, RMSNorm 280.3 us at 8 against 370.6 at 6 (wide 501.6), LayerNorm
-# 291.3 at 4 (one-tile 505.9). Float32 residual rows keep 6, not measured.
-# LayerNorm's tile, later: 1024-column chunks over 1 warp (254 registers, 8 programs per SM)
-# against 2048 over 2 (4 per SM), H200, 1024 x 65536 bf16, two runs: 146.2 / 147.3 against
-# 168.2 / 166.3 us (4096 columns over 4 warps, 2 per SM: 144.6 / 147.0; 1024 over 2 warps at 6 per
-# SM, 193.0). Not measured on an H100, where 2048 over 2 ran 185.8 us (history 0026).
+# 291.3 at 4 with the 2048-column tile (one-tile 505.9). Float32 residual rows keep 6, and
+# float32 LayerNorm rows the tile below, not measured.
+# LayerNorm's tile, later: 1024-column chunks over 1 warp (254 registers, 8 programs per SM; it
+# spills about 50 bytes a thread, offline) against 2048 over 2 (4 per SM), H200, 1024 x 65536
+# bf16, two runs: 146.2 / 147.3 against 168.2 / 166.3 us (4096 columns over 4 warps, 2 per SM:
+# 144.6 / 147.0; 1024 over 2 warps at 6 per SM, 193.0). Not measured on an H100, where 2048 over
+# 2 ran 185.8 us (history 0026).
 # The gated variant stays on the wide kernel: cooperative at 4 programs per SM (249 registers),
 # 2 or 4 warps, it lost at 1024 x 65536 (H100: 487.6 against 407.9 us) and tied at 2048 x 32768.
 RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (8, 8))
