@@ -398,7 +398,8 @@ def _rms_norm_bwd_coop_kernel(
         rows = row + tl.arange(0, 1)
         rstd = tl.load(rstd_ptr + rows)
         # Read twice rather than held across the wait: fewer registers, so more programs an SM
-        # keep DRAM busy while others wait (H200 sweep, 1024 x 65536 bf16: 142.5 against 161-185 us holding it)
+        # keep DRAM busy while others wait (H200 sweep, 1024 x 65536 bf16: 142.5 against 161-185
+        # us holding it)
         xhat, dn, g = _rms_bwd_terms(dy_ptr, x_ptr, gate_ptr, dgate_ptr, w_ptr, rows, cols, mask, rstd,
                                      n_cols, offset, stride_dy_row, stride_x_row, stride_gate_row,
                                      stride_dgate_row, HAS_WEIGHT, HAS_GATE, False, "evict_last")
