@@ -176,6 +176,53 @@ def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op", ["rms_norm", "residual_rms_norm", "layer_norm"])
+def test_cooperative_backward_kernels_walk_their_rows(op, kernel_device, seed):
+    """The cooperative backward kernels, launched directly with one chunk a row, so that they run
+    under the interpreter too (which runs programs one after another: a wait on another chunk
+    would never end there; the GPU tier covers rows of many chunks). What this checks: a group
+    walks its block of rows, the last group shorter (11 rows over 4 groups of 3), dweight (and
+    dbias) add up across a group's rows into its row of partial sums, a chunk wider than the row
+    (100 of 128 columns) masks its tail, LayerNorm's prefetched next row is the one it then
+    uses, and a row whose gradient is exactly 0 publishes a non-zero word (else its wait would
+    never end)."""
+    n_rows, n_cols, chunk, rows_per_group = 11, 100, 128, 3
+    n_groups = runtime.cdiv(n_rows, rows_per_group)
+    make = lambda *shape, k: testing.randn(*shape, device=kernel_device, seed=seed + k)
+    x, dy, du, w, b = make(n_rows, n_cols, k=0), make(n_rows, n_cols, k=1), make(n_rows, n_cols, k=2), \
+        make(n_cols, k=3), make(n_cols, k=4)
+    dy[4] = 0
+    dx = torch.empty_like(x)
+    work = coop.workspace(n_rows, 1, x.device)
+    if op == "layer_norm":
+        mean, rstd = (t.float().contiguous() for t in reference.layer_norm_stats(x, 1e-5))
+        partial = torch.empty(2, n_groups, n_cols, device=kernel_device)
+        ops._layer_norm_bwd_coop_kernel[(n_groups,)](
+            dy, x, w, mean, rstd, dx, partial, n_rows, n_cols, rows_per_group, n_cols, n_cols, n_cols, work, 1,
+            HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=chunk, SPLITS_POW2=1, num_warps=1)
+        got = {"dx": dx, "dw": partial[0].sum(0), "db": partial[1].sum(0)}
+        expected = dict(zip(("dx", "dw", "db"), reference.layer_norm_backward(dy, x, w, b, 1e-5), strict=True))
+        same_precision = reference.layer_norm_backward(dy, x, w, b, 1e-5, compute_dtype=torch.float32)
+    else:
+        du_or_dx = du if op == "residual_rms_norm" else dx
+        rstd = reference.rms_norm_rstd(x, 1e-6).float().contiguous()
+        partial = torch.empty(n_groups, n_cols, device=kernel_device)
+        ops._rms_norm_bwd_coop_kernel[(n_groups,)](
+            dy, x, x, w, rstd, du_or_dx, dx, dx, partial, n_rows, n_cols, 0.0, rows_per_group,
+            n_cols, n_cols, n_cols, n_cols, n_cols, n_cols, work, 1,
+            HAS_WEIGHT=True, HAS_GATE=False, HAS_DU=op == "residual_rms_norm", CHUNK=chunk, SPLITS_POW2=1,
+            num_warps=1)
+        got = {"dx": dx, "dw": partial.sum(0)}
+        ref_dx, ref_dw = reference.rms_norm_backward(dy, x, w, 1e-6)
+        base_dx, base_dw = reference.rms_norm_backward(dy, x, w, 1e-6, compute_dtype=torch.float32)
+        if op == "residual_rms_norm":
+            ref_dx, base_dx = ref_dx + du.double(), base_dx + du
+        expected, same_precision = {"dx": ref_dx, "dw": ref_dw}, (base_dx, base_dw)
+    for (name, out), base in zip(got.items(), same_precision, strict=True):
+        testing.assert_close_to_reference(out, expected[name], base, factor=3.0, name=f"{op} {name}")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op", OPS)
 def test_persistent_backward_walks_several_row_blocks(op, monkeypatch, kernel_device, seed):
     """Each program of the one-tile backward strides over row blocks and accumulates dweight
