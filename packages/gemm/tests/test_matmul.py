@@ -121,6 +121,17 @@ def test_fp8_matmul_on_cpu_runs_reference_with_rowwise_scales(seed):
     assert (out - x @ w.T).abs().max() < 0.15 * (x.abs() @ w.abs().T).max()
 
 
+@pytest.mark.parametrize("m,n", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_fp8_matmul_empty_output(m, n, granularity):
+    """No rows or no columns: an empty result, as matmul gives; the (0, 1) / (1, 0) row-wise scales
+    of an empty side failed in a reshape to one element (RuntimeError)."""
+    a8, b8 = torch.zeros(m, 16).to(torch.float8_e4m3fn), torch.zeros(16, n).to(torch.float8_e4m3fn)
+    sa, sb = (torch.ones(m, 1), torch.ones(1, n)) if granularity == "row" else (torch.ones(1), torch.ones(1))
+    out = fp8_matmul(a8, b8, sa, sb, bias=torch.zeros(n), out_dtype=torch.float16)
+    assert out.shape == (m, n) and out.dtype == torch.float16
+
+
 def test_decode_shape_uses_split_k_under_the_interpreter_plan():
     plan = ops._skinny_plan(1, 31, 70, torch.device("cpu"), ops.INTERPRET_BLOCK)
     assert plan.split_k > 1 and plan.k_per_split % ops.INTERPRET_BLOCK == 0

@@ -331,6 +331,8 @@ def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
         ({"qdata": "as_uint8"}, r"qdata must be torch.int8 of shape \(8, 96\)"),
         ({"zeros": "wrong_shape"}, "zeros must be None or uint8 of shape"),
         ({"shape": (8, 95)}, "group_size must divide K = 95"),
+        ({"shape": (8, 96, 1)}, r"shape must be \(N, K\)"),
+        ({"dtype": torch.int8}, "dtype .* must be float16, bfloat16 or float32"),
     ],
 )
 def test_quantized_weight_fields_are_checked(change, match):
@@ -421,6 +423,39 @@ def test_patch_hf_checks_its_arguments_before_replacing_anything():
         with pytest.raises(ValueError, match="patch_hf"):
             patch_hf(model, **kwargs)
         assert all(type(m) is nn.Linear for m in model)
+
+
+def test_patch_hf_replaces_nothing_when_a_layer_cannot_be_quantized():
+    """Every replacement is built before any is put in: an int4 layer with an odd K (or a NaN
+    weight) raised from quantize_weight after the layers before it had been replaced."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 63), nn.Linear(63, 8)).half()
+    with pytest.raises(ValueError, match="needs an even K"):
+        patch_hf(model, bits=4, skip=())
+    assert all(type(m) is nn.Linear for m in model)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).half()
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        patch_hf(model, bits=8, skip=())
+    assert all(type(m) is nn.Linear for m in model)
+
+
+def test_patch_hf_rejects_a_string_skip():
+    """skip="lm_head" is a tuple of its characters to `in`: every layer whose name holds one of
+    them (e.g. any "layers.N.self_attn.q_proj") was skipped without a word."""
+    model = nn.Sequential(nn.Linear(64, 64)).half()
+    with pytest.raises(TypeError, match="skip must be a tuple of names"):
+        patch_hf(model, skip="lm_head")
+    assert type(model[0]) is nn.Linear
+
+
+@pytest.mark.interpret
+def test_linear_takes_a_vector_as_nn_linear_does(kernel_device, seed):
+    lin = nn.Linear(64, 24).to(kernel_device, torch.float16)
+    x = testing.randn(64, dtype=torch.float16, device=kernel_device, seed=seed)
+    out = Linear.from_linear(lin)(x)
+    assert out.shape == (24,)
+    torch.testing.assert_close(out, Linear.from_linear(lin)(x[None])[0], rtol=0, atol=0)
 
 
 def test_patch_hf_keeps_eval_mode():

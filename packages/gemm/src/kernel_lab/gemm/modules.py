@@ -25,6 +25,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or x.dtype not in (torch.float16, torch.bfloat16):
             return super().forward(x)
+        if x.ndim == 1:  # one (in_features,) vector, as nn.Linear takes it (matmul wants (..., M, K))
+            return matmul(x.unsqueeze(0), self.weight.t(), bias=self.bias).squeeze(0)
         return matmul(x, self.weight.t(), bias=self.bias)
 
 
@@ -180,11 +182,16 @@ def patch_hf(
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                    or group_size <= 0 or group_size % 32):
         raise ValueError(f"patch_hf: group_size must be None or a positive multiple of 32, got {group_size!r}")
+    if isinstance(skip, str):  # its characters would be the names: "lm_head" skipped every layer with an "a"
+        raise TypeError(f"patch_hf: skip must be a tuple of names, got the string {skip!r} (write ({skip!r},))")
+    # Every replacement is built before any is put in: a layer quantize_weight refuses (an odd K
+    # at int4, a NaN weight) raised midway and left the model half patched.
     replaced: dict[int, nn.Module] = {}
+    slots: list[tuple[nn.Module, str, int]] = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):  # every name, a module under two included
             if id(child) in replaced:
-                setattr(parent, name, replaced[id(child)])
+                slots.append((parent, name, id(child)))
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
             if type(child) is not nn.Linear or any(s in full for s in skip):
@@ -198,5 +205,7 @@ def patch_hf(
                 new = QuantizedLinear.from_linear(child, bits, gs)
             new.train(child.training)  # an eval-mode model stays in eval mode
             replaced[id(child)] = new
-            setattr(parent, name, new)
+            slots.append((parent, name, id(child)))
+    for parent, name, key in slots:
+        setattr(parent, name, replaced[key])
     return len(replaced)

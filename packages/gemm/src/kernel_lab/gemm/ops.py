@@ -833,6 +833,8 @@ def fp8_matmul(
     if a.device.type == "cuda" and not _fp8_supported(a.device):
         cap = runtime.device_info(a.device.index).capability
         raise RuntimeError(f"{op}: float8 matmul needs compute capability >= 8.9, this GPU has {cap[0]}.{cap[1]}")
+    if m == 0 or n == 0:  # an empty (M, 1) / (1, N) scale reads as neither form below (nor the reference's)
+        return torch.empty((m, n), dtype=out_dtype, device=a.device)
     scale_a = scale_a.reshape(-1, 1).contiguous() if scale_a.numel() > 1 else scale_a.reshape(1)
     scale_b = scale_b.reshape(1, -1).contiguous() if scale_b.numel() > 1 else scale_b.reshape(1)
     if backend == "reference" or a.device.type != "cuda":
@@ -890,6 +892,11 @@ class QuantizedWeight:
         op = "QuantizedWeight"
         if self.bits not in (4, 8):
             raise ValueError(f"{op}: bits must be 4 or 8, got {self.bits!r}")
+        if self.dtype not in (*SUPPORTED_DTYPES, torch.float32):
+            raise ValueError(f"{op}: dtype (the original weight's) must be float16, bfloat16 or float32, got "
+                             f"{self.dtype!r}")
+        if not isinstance(self.shape, (tuple, list)) or len(self.shape) != 2:
+            raise ValueError(f"{op}: shape must be (N, K) of the original weight, got {self.shape!r}")
         n, k = self.shape
         g = self.group_size
         # per channel (g == K) is one group per row for every K, 0 included (no K // 0)
