@@ -155,6 +155,29 @@ def test_fp8_set_scales_refuses_scales_that_are_not_positive_and_finite(bad):
     assert cache.k_scale[0].tolist() == [2.0, 2.0] and cache.v_scale[0].tolist() == [0.5, 0.25]
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_fp8_set_scales_refuses_a_layer_that_holds_tokens(kind):
+    """Its tokens were stored as x / the old scales: new scales would silently misread them."""
+    if kind == "contiguous":
+        cache = KVCache(2, 2, 6, 2, 16, dtype=torch.float8_e4m3fn)
+    else:
+        cache = PagedKVCache(4, 4, 2, 2, 16, dtype=torch.float8_e4m3fn, max_seqs=2)
+        cache.allocate(1)
+    new = torch.ones(1, 2, 2, 16)
+    cache.append(0, new, new, seq_ids=[1])
+    before = cache.k_scale.clone()
+    with pytest.raises(ValueError, match="set_scales must come before layer 0 caches tokens"):
+        cache.set_scales(0, 2.0, 2.0)
+    assert torch.equal(cache.k_scale, before)
+    cache.set_scales(1, 2.0, 2.0)  # another layer, still empty
+    if kind == "contiguous":
+        cache.reset([1])
+    else:
+        cache.free(1)
+    cache.set_scales(0, 2.0, 2.0)  # emptied: allowed again
+    assert cache.k_scale.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
 def test_paged_allocator_random_allocate_free_never_shares_a_block(seed):
     rng = random.Random(seed)
     cache = PagedKVCache(40, 4, 1, 1, 8, dtype=torch.float32, max_seqs=12, max_blocks_per_seq=16)
@@ -258,6 +281,8 @@ def test_kv_append_tensor_level_checks():
         kv_append(new, new, kc.float(), kc.float(), lengths.float())
     with pytest.raises(ValueError, match="seq_ids must have one entry per batch entry"):
         kv_append(new, new, kc.float(), kc.float(), lengths, seq_ids=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"v_new must be the cache dtype torch\.float16, got torch\.float32"):
+        kv_append(new.half(), new, kc.half(), kc.half(), lengths)  # was converted silently
 
 
 def test_reference_backend_append_and_decode(kvh, monkeypatch, seed, cache_kind):

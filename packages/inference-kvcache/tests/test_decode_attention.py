@@ -197,6 +197,12 @@ def _tensor_args(**over):
           "v_cache": torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn)}, ValueError, "k_scale is required"),
         ({"k_scale": torch.ones(2)}, ValueError, "apply to float8_e4m3fn caches only"),
         ({"num_splits": 0}, ValueError, "num_splits must be a positive int"),
+        # a NaN or infinite scale gave NaN outputs (zeros on the reference backend)
+        *(({"scale": bad}, ValueError, "scale must be positive and finite")
+          for bad in (float("nan"), float("inf"), 0.0, -0.125)),
+        ({"scale": "0.1x"}, TypeError, "scale must be a float"),
+        ({"max_len": 4.0}, ValueError, "max_len must be an int >= 0"),  # AttributeError from the split plan
+        ({"max_len": -1}, ValueError, "max_len must be an int >= 0"),
     ],
 )
 def test_flash_decode_input_checks(over, exc, match):
@@ -228,6 +234,11 @@ def _paged_args(table, lengths, **over):
         (_paged_args([[0, 1, 9], [2, 5, 9]], [3, 5]), r"block_table entries .* in \[0, 5\); got values in \[0, 5\]"),
         (_paged_args([[-1, 1, 9], [2, 3, 9]], [3, 5]), r"block_table entries .* got values in \[-1, 3\]"),
         (_paged_args([[0, 1, 9], [2, 3, 4]], [3, 13]), r"lengths must be at most 12 .*got 13"),
+        # int64 values are checked as given, not after the int32 copy the kernels read (2**32 + 3
+        # wrapped to 3, 2**32 + 1 to block 1: a silent read of the wrong tokens)
+        (_tensor_args(lengths=torch.tensor([2**32 + 3, 0])), r"lengths must be at most 4 .*got 4294967299"),
+        (_paged_args([[0, 1, 9], [2, 3, 9]], [5, 5], block_table=torch.tensor([[0, 2**32 + 1, 9], [2, 3, 9]])),
+         r"block_table entries .* got values in \[0, 4294967297\]"),
     ],
 )
 def test_flash_decode_index_values_are_checked(args, match):
@@ -283,6 +294,27 @@ def test_strided_int32_index_tensors_are_read_by_value(kvh, kernel_device, seed)
     assert torch.equal(caches[2], caches[0]) and caches[0].abs().sum() > 0
 
 
+@pytest.mark.interpret
+def test_strided_fp8_scales_are_read_by_value(kernel_device, seed):
+    """k_scale / v_scale as strided views (a column of a wider table) give the results of their
+    contiguous copies in kv_append and flash_decode (the kernels read them at unit stride: the
+    append stored, and the decode read, with the wrong heads' scales)."""
+    wide = torch.tensor([[0.5, 9.0], [0.25, 9.0]], device=kernel_device)
+    strided, dense = wide[:, 0], wide[:, 0].contiguous()
+    assert not strided.is_contiguous()
+    new = randn(2, 3, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    caches = [torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn, device=kernel_device) for _ in range(4)]
+    lengths = torch.zeros(2, dtype=torch.int32, device=kernel_device)
+    kv_append(new, new, caches[0], caches[1], lengths, k_scale=dense, v_scale=dense)
+    kv_append(new, new, caches[2], caches[3], lengths, k_scale=strided, v_scale=strided)
+    assert torch.equal(caches[2].float(), caches[0].float()) and caches[0].float().abs().sum() > 0
+    q = randn(2, 4, 16, dtype=torch.float16, seed=seed + 1, device=kernel_device)
+    lengths += 3
+    want = flash_decode(q, caches[0], caches[1], lengths, k_scale=dense, v_scale=dense, num_splits=2)
+    got = flash_decode(q, caches[0], caches[1], lengths, k_scale=strided, v_scale=strided, num_splits=2)
+    assert torch.equal(got, want)
+
+
 def test_kv_append_index_values_are_checked():
     kc = torch.zeros(2, 4, 1, 8)
     new = torch.zeros(2, 3, 1, 8)
@@ -316,6 +348,8 @@ def test_decode_attention_checks_cache_and_sequences():
         decode_attention(q, paged, 0)
     with pytest.raises(ValueError, match="layer must be an int in"):
         decode_attention(q, KVCache(1, 1, 4, 1, 8, dtype=torch.float32), 1)
+    with pytest.raises(ValueError, match="scale must be positive and finite, got nan"):
+        decode_attention(q, KVCache(1, 1, 4, 1, 8, dtype=torch.float32), 0, scale=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------

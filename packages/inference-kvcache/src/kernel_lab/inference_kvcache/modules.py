@@ -149,11 +149,15 @@ class _CacheBase:
         """Fix the per-kv-head dequantization scales (H_kv,) of an fp8 cache's `layer`.
 
         Without this call the first append of a layer sets them to amax / 448 per head of what
-        it writes (the prefill), and later tokens saturate at +-448 * scale.
+        it writes (the prefill), and later tokens saturate at +-448 * scale. Only while the layer
+        holds no tokens (ValueError otherwise: the stored ones would be read with the new scales).
         """
         if not self.is_fp8:
             raise ValueError(f"set_scales applies to float8_e4m3fn caches, this one is {self.dtype}")
         self._check_layer(layer)
+        if any(self._host_lengths[layer]):  # its tokens were stored as x / the old scales: they would be misread
+            raise ValueError(f"set_scales must come before layer {layer} caches tokens (reset or free its sequences "
+                             "first)")
         scales = []
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             s = torch.as_tensor(s, dtype=torch.float32, device=self.device)

@@ -231,6 +231,8 @@ def kv_append(
         _check_tensor(name, t, 4)
         if t.dtype not in QUERY_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if k_cache.dtype != FP8_DTYPE and t.dtype != k_cache.dtype:  # (the store converted silently)
+            raise TypeError(f"{name} must be the cache dtype {k_cache.dtype}, got {t.dtype}")
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device} but the cache is on {k_cache.device}")
     if k_new.shape != v_new.shape:
@@ -283,8 +285,8 @@ def kv_append_fwd(
     if bsz * t_new == 0:
         return
     # the kernel reads these at unit stride (block-table rows at unit column stride)
-    lengths, seq_ids, counts, block_table = (None if t is None else t.contiguous()
-                                             for t in (lengths, seq_ids, counts, block_table))
+    lengths, seq_ids, counts, block_table, k_scale, v_scale = (
+        None if t is None else t.contiguous() for t in (lengths, seq_ids, counts, block_table, k_scale, v_scale))
     if runtime.backend(k_cache) == "reference":
         reference.kv_append(
             k_new, v_new, k_cache, v_cache, lengths, seq_ids=seq_ids, counts=counts, block_table=block_table,
@@ -457,6 +459,8 @@ class DecodeCache:
         lengths = lengths.to(torch.int32).contiguous()
         if block_table is not None:
             block_table = block_table.to(torch.int32).contiguous()
+        if k_scale is not None:  # per-head scales too (the caches' own rows are contiguous: no copy)
+            k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
         self.k_cache, self.v_cache, self.lengths, self.block_table = k_cache, v_cache, lengths, block_table
         self.k_scale, self.v_scale = k_scale, v_scale
         self.device, self.dtype = device, k_cache.dtype
@@ -521,10 +525,13 @@ def flash_decode(
     """
     _check_query(q)
     cache = DecodeCache(k_cache, v_cache, lengths, block_table, k_scale, v_scale)
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0):
+        raise ValueError(f"max_len must be an int >= 0, got {max_len!r}")
     if check_indices and (seq_ids is not None or q.shape[0] <= cache.rows):  # else decode_checked_cache raises
         if seq_ids is not None:
             _check_index("seq_ids", seq_ids, cache.device, 1)
-        _check_index_values(k_cache, cache.lengths, cache.block_table, seq_ids, q.shape[0])
+        # the values as given: the cache's int32 copies would wrap an int64 2**32 + 1 to 1
+        _check_index_values(k_cache, lengths, block_table, seq_ids, q.shape[0])
     return decode_checked_cache(q, cache, seq_ids=seq_ids, scale=scale, num_splits=num_splits, max_len=max_len)
 
 
@@ -571,6 +578,14 @@ def decode_checked_cache(
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if scale is None:
         scale = default_scale
+    else:
+        # (a NaN or infinite scale gave NaN outputs, zeros on the reference backend)
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"scale must be a float, got {scale!r}") from None
+        if not 0.0 < scale < math.inf:
+            raise ValueError(f"scale must be positive and finite, got {scale!r}")
     if num_splits is None:
         max_len = c.capacity if max_len is None else max_len
         num_splits = _measured_num_splits(q, c, seq_ids, float(scale), m_tiles, max_len)
