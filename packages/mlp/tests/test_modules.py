@@ -76,8 +76,36 @@ def test_gated_mlp_module_rejects_bad_arguments():
         mlp.SwiGLUMLP(0, 8)
     with pytest.raises(ValueError, match="approximate"):
         mlp.GeGLUMLP(8, 8, approximate="fast")
+    # silu has no tanh form: the argument was accepted and ignored
+    with pytest.raises(ValueError, match="applies to the gelu activation only"):
+        mlp.SwiGLUMLP(8, 8, approximate="tanh")
     with pytest.raises(TypeError, match=r"nn\.Module"):
         mlp.patch_hf("model")
+
+
+def test_from_projections_rejects_projections_that_are_no_gated_mlp():
+    """Mismatched sizes failed only at the first forward (or not at all), a non-linear module
+    with an AttributeError, fuse_gate_up=True with an error about meta tensors."""
+    lin = nn.Linear
+    with pytest.raises(ValueError, match=r"up_proj \(6 -> 8\) .* are not a gated MLP"):
+        mlp.SwiGLUMLP.from_projections(lin(4, 8), lin(6, 8), lin(8, 4))
+    with pytest.raises(ValueError, match="are not a gated MLP"):
+        mlp.SwiGLUMLP.from_projections(lin(4, 8), lin(4, 6), lin(8, 4))
+    with pytest.raises(ValueError, match=r"down_proj \(6 -> 4\) are not a gated MLP"):
+        mlp.GeGLUMLP.from_projections(lin(4, 8), lin(4, 8), lin(6, 4))
+    with pytest.raises(TypeError, match=r"gate_proj must be an nn\.Linear or a linear-like module .*, got ReLU"):
+        mlp.SwiGLUMLP.from_projections(nn.ReLU(), lin(4, 8), lin(8, 4))
+    with pytest.raises(TypeError, match=r"gate_up_proj must be an nn\.Linear or a linear-like module .*, got ReLU"):
+        mlp.SwiGLUMLP.from_packed_projections(nn.ReLU(), lin(8, 4))
+    with pytest.raises(TypeError, match="fuse_gate_up"):
+        mlp.SwiGLUMLP.from_projections(lin(4, 8), lin(4, 8), lin(8, 4), fuse_gate_up=True)
+    m = mlp.SwiGLUMLP.from_projections(lin(4, 8), lin(4, 8), lin(8, 4))
+    assert m(torch.randn(2, 4)).shape == (2, 4)
+    # patch_hf leaves such a module alone instead of raising
+    odd = _ToyHFMLP(nn.SiLU())
+    odd.up_proj = lin(16, 20, bias=False)
+    model = nn.Sequential(odd)
+    assert mlp.patch_hf(model) == 0 and model[0] is odd
 
 
 class _ToyHFMLP(nn.Module):

@@ -40,6 +40,20 @@ def _is_linear_like(module: object) -> bool:
     return isinstance(getattr(module, "bias", None), (torch.Tensor, type(None)))
 
 
+def _split_sizes_match(gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> bool:
+    """Whether linear-like projections fit together as down(act(gate(x)) * up(x)): gate and up
+    of one shape (hidden -> intermediate), down taking intermediate (its output width is free)."""
+    d = gate_proj.out_features
+    return (up_proj.in_features, up_proj.out_features, down_proj.in_features) == (gate_proj.in_features, d, d)
+
+
+def _check_linear_like(**projections: object) -> None:
+    for arg, p in projections.items():
+        if not _is_linear_like(p):
+            raise TypeError(f"{arg} must be an nn.Linear or a linear-like module (int in_features / "
+                            f"out_features), got {type(p).__name__}")
+
+
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)) with the activation fused in one kernel.
 
@@ -63,6 +77,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        if activation == "silu" and approximate != "none":
+            raise ValueError(f"approximate={approximate!r} applies to the gelu activation only; silu takes 'none'")
         for arg, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
@@ -93,10 +109,18 @@ class GatedMLP(nn.Module):
     @classmethod
     def from_projections(cls, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, **kwargs) -> GatedMLP:
         """A module that shares the given nn.Linear (or `_is_linear_like`) projections (same
-        parameters, no copy)."""
+        parameters, no copy): gate_proj and up_proj of one shape (hidden -> intermediate), down_proj
+        taking intermediate."""
+        _check_linear_like(gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+        if not _split_sizes_match(gate_proj, up_proj, down_proj):
+            raise ValueError(
+                f"gate_proj ({gate_proj.in_features} -> {gate_proj.out_features}), up_proj ({up_proj.in_features} "
+                f"-> {up_proj.out_features}) and down_proj ({down_proj.in_features} -> {down_proj.out_features}) "
+                f"are not a gated MLP"
+            )
         with torch.device("meta"):  # build empty, then adopt the caller's projections
             bias = getattr(gate_proj, "bias", None) is not None
-            mlp = cls(gate_proj.in_features, gate_proj.out_features, bias, **kwargs)
+            mlp = cls(gate_proj.in_features, gate_proj.out_features, bias, fuse_gate_up=False, **kwargs)
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
 
@@ -105,6 +129,7 @@ class GatedMLP(nn.Module):
         """A `fuse_gate_up=True` module that shares the given nn.Linear (or `_is_linear_like`)
         projections (same parameters, no copy). gate_up_proj's output rows are [gate | up]
         (Phi-3, GLM): the packed activation reads the two halves of its output in place."""
+        _check_linear_like(gate_up_proj=gate_up_proj, down_proj=down_proj)
         n = gate_up_proj.out_features
         if n % 2 or n != 2 * down_proj.in_features or down_proj.out_features != gate_up_proj.in_features:
             raise ValueError(f"gate_up_proj ({gate_up_proj.in_features} -> {n}) and down_proj "
@@ -229,7 +254,7 @@ def _gated_mlp_layout(module: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[s
         return None  # Gemma 3n: a top-k of the gate before the activation, which ours does not do
     split = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
     if all(_is_linear_like(p) for p in split) and hasattr(module, "act_fn"):
-        if not _plain_gated_mlp(module):
+        if not _split_sizes_match(*split) or not _plain_gated_mlp(module):
             return None
         kind = _identify_activation(module.act_fn)
         return None if kind is None else (tuple(split), kind)
