@@ -78,6 +78,11 @@ def test_rope_validation_names_the_argument():
         apply_rope(q.requires_grad_(True), k, cos, sin, inplace=True)
     with pytest.raises(ValueError, match="layout must be"):
         apply_rope(q, k, cos, sin, layout="hsd")
+    # a truthy non-bool ("no") ran the GPT-J rotation / overwrote the inputs
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        apply_rope(q, k, cos, sin, interleaved="no")
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        apply_rope(q.detach(), k, cos, sin, inplace="False")
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -151,6 +156,35 @@ def test_rope_inplace_refuses_tensors_whose_elements_share_memory():
     k = testing.randn(1, 1, 6, 16, dtype=torch.float16, seed=2).expand(1, 4, 6, 16)
     with pytest.raises(ValueError, match="inplace=True on k whose elements share memory"):
         apply_rope(q, k, cos, sin, inplace=True)
+
+
+def test_rope_inplace_refuses_q_and_k_sharing_memory():
+    """k is q (or a head slice of it): the shared elements were rotated twice in place."""
+    cos, sin = _tables(1, 6, 16, interleaved=False, device="cpu", seed=0)
+    q = testing.randn(1, 4, 6, 16, dtype=torch.float16, seed=1)
+    for k in (q, q[:, :1]):
+        with pytest.raises(ValueError, match="inplace=True on q and k that share memory"):
+            apply_rope(q, k, cos, sin, inplace=True)
+    # disjoint views of one buffer (q and k of a packed projection) stay allowed
+    qk = testing.randn(1, 6, 8, 16, dtype=torch.float16, seed=2)
+    expected = apply_rope(qk[:, :, :4], qk[:, :, 4:], cos, sin, layout="bshd")
+    apply_rope(qk[:, :, :4], qk[:, :, 4:], cos, sin, layout="bshd", inplace=True)
+    assert torch.equal(qk[:, :, :4], expected[0]) and torch.equal(qk[:, :, 4:], expected[1])
+
+
+def test_rope_inplace_compiles_fullgraph(monkeypatch):
+    """The eager-only memory checks stay out of tracing (dynamo cannot trace
+    torch._debug_has_internal_overlap: fullgraph failed with "torch.* op returned non-Tensor")."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # fake-tensor tracing cannot run the interpreter
+    torch._dynamo.reset()
+    cos, sin = _tables(1, 6, 16, interleaved=False, device="cpu", seed=0)
+    q = testing.randn(1, 4, 6, 16, seed=1)
+    k = testing.randn(1, 2, 6, 16, seed=2)
+    expected = apply_rope(q, k, cos, sin)
+    fn = torch.compile(lambda q, k: apply_rope(q, k, cos, sin, inplace=True), fullgraph=True, backend="eager")
+    fn(q, k)
+    torch.testing.assert_close(q, expected[0])
+    torch.testing.assert_close(k, expected[1])
 
 
 # --- gpu tier ---------------------------------------------------------------------------------

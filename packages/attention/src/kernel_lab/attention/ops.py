@@ -1006,6 +1006,9 @@ def apply_rope(
             raise ValueError(f"{name}: {arg} must be on q's device {q.device}, got {t.device}")
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    for arg, flag in (("interleaved", interleaved), ("inplace", inplace)):
+        if not isinstance(flag, bool):  # a truthy "no" / "False" picked GPT-J pairs / overwrote q, k
+            raise TypeError(f"{name}: {arg} must be a bool, got {type(flag).__name__}")
     if q.dtype != k.dtype:
         raise TypeError(f"{name}: q and k must share one dtype, got {q.dtype} and {k.dtype}")
     if q.ndim != 4 or k.ndim != 4:
@@ -1044,17 +1047,24 @@ def apply_rope(
             raise ValueError(f"{name}: inplace=True cannot be used on tensors that require grad")
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError(f"{name}: inplace=True needs unit stride along the head dim")
-        # elements sharing memory (an expanded view) would be rotated once per alias; torch's own
-        # in-place ops refuse them the same way (1: overlap for sure; 2, "too hard", is let through)
-        for arg, t in (("q", q), ("k", k)):
-            if torch._debug_has_internal_overlap(t) == 1:
-                raise ValueError(f"{name}: inplace=True on {arg} whose elements share memory (e.g. an expanded "
-                                 f"view): each would be rotated once per alias")
         if torch.compiler.is_compiling():
             qo, ko = torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
             q.copy_(qo)
             k.copy_(ko)
             return q, k
+        # Eager only (fake tensors under tracing have no memory to compare; the traced path rotates
+        # copies, then writes them back). Elements sharing memory (an expanded view) would be
+        # rotated once per alias; torch's own in-place ops refuse them the same way (1: overlap for
+        # sure; 2, "too hard", is let through)
+        for arg, t in (("q", q), ("k", k)):
+            if torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(f"{name}: inplace=True on {arg} whose elements share memory (e.g. an expanded "
+                                 f"view): each would be rotated once per alias")
+        # q and k that start at one address (k is q, or a head slice of it) share that element at
+        # least: the kernel rotated it once as q and again as k
+        if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
+            raise ValueError(f"{name}: inplace=True on q and k that share memory (k is q or a view of it): "
+                             f"shared elements would be rotated twice")
         return rope_fwd(q, k, cos, sin, position_ids, interleaved, r, layout, False, q_out=q, k_out=k)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.rope(q, k, cos, sin, position_ids, interleaved, r, layout, False)
