@@ -34,10 +34,16 @@ class Target:
     met: bool | None  # None: no stored rows for it
 
 
+def _row(g: GroupResult, impl: str) -> dict | None:
+    """The group's row of implementation `impl`, None if absent."""
+    rows = [r for r in g.rows if r["extra_info"].get("impl") == impl]
+    return rows[0] if rows else None
+
+
 def _ms(g: GroupResult, impl: str) -> float | None:
     """Median ms per call of the group's row of implementation `impl`, None if absent."""
-    rows = [r for r in g.rows if r["extra_info"].get("impl") == impl]
-    return GroupResult.ms_per_call(rows[0]) if rows else None
+    row = _row(g, impl)
+    return GroupResult.ms_per_call(row) if row else None
 
 
 def _ours(g: GroupResult) -> list[dict]:
@@ -140,8 +146,8 @@ def gemm_targets(results: dict[str, PackageResult]) -> list[Target]:
     prefill = _groups(results, "gemm", r"^gemm prefill ")
     decode = _groups(results, "gemm", r"^gemm decode M(1|16) ")
     decode_bf16 = [g for g in decode if g.group.endswith(" bf16")]
-    decode_bw = [(100 * _row(g, "kernel_lab")["extra_info"]["gbps"] / g.run.machine["copy_bandwidth_gbps"], g.group)
-                 for g in decode if _row(g, "kernel_lab") and g.run.machine.get("copy_bandwidth_gbps")]
+    decode_bw = [(g.pct_peak(_row(g, "kernel_lab")), g.group) for g in decode
+                 if _row(g, "kernel_lab") and g.pct_peak(_row(g, "kernel_lab")) is not None]
     return [
         _at_least(6, "bf16/fp16 prefill: at least 0.95x cuBLAS, geomean (fastest kernel_lab variant)",
                   vs_torch(prefill, fastest_ours), 0.95, how="geomean"),
@@ -157,11 +163,6 @@ def gemm_targets(results: dict[str, PackageResult]) -> list[Target]:
         _at_least(6, "rms_norm_linear at M <= 64: at least 1.3x the unfused pair (torch)",
                   vs_torch(_groups(results, "gemm", r"^rms_norm_linear M(1|16|64) "), "kernel_lab"), 1.3),
     ]
-
-
-def _row(g: GroupResult, impl: str) -> dict | None:
-    rows = [r for r in g.rows if r["extra_info"].get("impl") == impl]
-    return rows[0] if rows else None
 
 
 def kvcache_targets(results: dict[str, PackageResult]) -> list[Target]:
