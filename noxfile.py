@@ -65,8 +65,8 @@ def _install_local(session: nox.Session, names: list[str]) -> None:
         session.install("--no-deps", *(a for p in paths for a in ("-e", p)))
 
 
-def _has_torch(session: nox.Session) -> bool:
-    out = session.run("python", "-c", "import importlib.util as u; print(u.find_spec('torch') is not None)",
+def _has_module(session: nox.Session, name: str) -> bool:
+    out = session.run("python", "-c", f"import importlib.util as u; print(u.find_spec({name!r}) is not None)",
                       silent=True, external=True)
     return str(out).strip().endswith("True")
 
@@ -149,15 +149,31 @@ def gpu_tests(session: nox.Session) -> None:
     if not _cuda_available(session):
         session.error("gpu_tests needs a CUDA device: torch.cuda.is_available() is False here")
     dirs = [str(ROOT / "shared" / "tests"), *(str(ROOT / "packages" / p / "tests") for p in PACKAGES)]
-    session.run("python", "-m", "pytest", *PYTEST_FLAGS, "-m", "gpu or interpret", *dirs, *session.posargs,
-                env={"TRITON_INTERPRET": "0"})
+    session.run("python", "-m", "pytest", *PYTEST_FLAGS, "-m", "gpu or interpret", *_gpu_timeout(session), *dirs,
+                *session.posargs, env={"TRITON_INTERPRET": "0"})
+
+
+# A GPU test that waits on other programs (the cooperative kernels of softmax and norms) would
+# hang the session forever if a wait never ended. Where pytest-timeout is installed (the lent
+# GPU machine has it), each test gets GPU_TEST_TIMEOUT_S seconds; the thread method is the one
+# that also ends a process blocked inside a CUDA synchronisation (it stops the whole run, with
+# every thread's stack). A `--timeout` in the session's arguments takes precedence.
+GPU_TEST_TIMEOUT_S = 600
+
+
+def _gpu_timeout(session: nox.Session) -> list[str]:
+    if any(a.startswith("--timeout") for a in session.posargs):
+        return []
+    if not _has_module(session, "pytest_timeout"):
+        return []
+    return [f"--timeout={GPU_TEST_TIMEOUT_S}", "--timeout-method=thread"]
 
 
 @nox.session(venv_params=["--system-site-packages"])
 def bench(session: nox.Session) -> None:
     """Benchmarks vs peers on CUDA (history saved per GPU model); interpret validation otherwise."""
     _install_local(session, PACKAGES)
-    if not _has_torch(session) and not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
+    if not _has_module(session, "torch") and not isinstance(session.virtualenv, nox.virtualenv.PassthroughEnv):
         session.install(*CPU_TEST_DEPS)  # a machine without torch: the CPU test stack
     if not _cuda_available(session):
         session.log(
@@ -223,7 +239,7 @@ def _require_cuda_tool(session: nox.Session, tool: str) -> str:
     """The CUDA toolkit binary `tool` (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin) and a CUDA device, or stop."""
     import shutil
 
-    if not _has_torch(session) or not _cuda_available(session):
+    if not _has_module(session, "torch") or not _cuda_available(session):
         session.error(f"{session.name} needs a CUDA device and a CUDA torch: torch.cuda.is_available() is False "
                       "here (nothing was run)")
     dirs = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]

@@ -294,10 +294,12 @@ def test_tma_forward_matches_reference(b, hq, hkv, tq, tk, d, causal, window, la
 
 
 def _forget_recipes(monkeypatch):
-    """The launchers remember per shape what they launch (TMA or not, tiles): a test that changes
-    that policy starts from empty recipe caches."""
+    """The launchers remember per shape what they launch (TMA or not, tiles), and so do the
+    kernels' direct launchers (their launch plans are keyed by the same shapes): a test that
+    changes that policy starts from empty recipe caches and fresh direct launchers."""
     monkeypatch.setattr(attention_ops, "_FWD_RECIPES", {})
     monkeypatch.setattr(attention_ops, "_BWD_RECIPES", {})
+    monkeypatch.setattr(runtime, "_DIRECT_LAUNCHERS", {})
 
 
 @pytest.mark.interpret

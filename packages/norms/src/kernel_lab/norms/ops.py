@@ -236,8 +236,9 @@ class _CoopBwd:
 # LayerNorm's tile, later: 1024-column chunks over 1 warp (254 registers, 8 programs per SM; it
 # spills about 50 bytes a thread, offline) against 2048 over 2 (4 per SM), H200, 1024 x 65536
 # bf16, two runs: 146.2 / 147.3 against 168.2 / 166.3 us (4096 columns over 4 warps, 2 per SM:
-# 144.6 / 147.0; 1024 over 2 warps at 6 per SM, 193.0). Not measured on an H100, where 2048 over
-# 2 ran 185.8 us (history 0026).
+# 144.6 / 147.0; 1024 over 2 warps at 6 per SM, 193.0). H100, benchmark bwd-graph rows (the
+# launcher's kernels as one CUDA graph), 2048 over 2 (history 0026) against this tile (0027), two
+# machines: 185.8 against 189.1 us at 1024 x 65536, 184.5 against 180.4 at 4096 x 16384: level.
 # The gated variant stays on the wide kernel: cooperative at 4 programs per SM (249 registers),
 # 2 or 4 warps, it lost at 1024 x 65536 (H100: 487.6 against 407.9 us) and tied at 2048 x 32768.
 RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (8, 8))
