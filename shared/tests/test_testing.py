@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernel_lab.shared import testing
+from kernel_lab.shared import runtime, testing
 
 
 def test_randn_is_reproducible_and_not_constant():
@@ -93,3 +93,16 @@ def test_integer_outputs_are_compared_exactly_and_complex_refused():
     z = torch.ones(3, dtype=torch.complex64)
     with pytest.raises(TypeError, match="complex tensors are not supported"):
         testing.assert_close_to_reference(z * 1j, z)
+
+
+def test_fresh_launch_plans_swaps_the_direct_launchers_for_one_test():
+    """A test that changes a launcher's policy gets empty direct launchers, and the process's own
+    come back when its monkeypatch is undone."""
+    own = runtime._DIRECT_LAUNCHERS
+    mp = pytest.MonkeyPatch()
+    try:
+        testing.fresh_launch_plans(mp)
+        assert runtime._DIRECT_LAUNCHERS == {} and runtime._DIRECT_LAUNCHERS is not own
+    finally:
+        mp.undo()
+    assert runtime._DIRECT_LAUNCHERS is own

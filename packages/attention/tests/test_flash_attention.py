@@ -14,7 +14,7 @@ import torch
 
 from kernel_lab.attention import attention, attention_backend, flash_attention, flash_attention_varlen
 from kernel_lab.attention import ops as attention_ops
-from kernel_lab.shared import reference, runtime, testing
+from kernel_lab.shared import reference, testing
 
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
 
@@ -299,7 +299,7 @@ def _forget_recipes(monkeypatch):
     changes that policy starts from empty recipe caches and fresh direct launchers."""
     monkeypatch.setattr(attention_ops, "_FWD_RECIPES", {})
     monkeypatch.setattr(attention_ops, "_BWD_RECIPES", {})
-    monkeypatch.setattr(runtime, "_DIRECT_LAUNCHERS", {})
+    testing.fresh_launch_plans(monkeypatch)
 
 
 @pytest.mark.interpret
@@ -454,12 +454,7 @@ def test_int64_token_offsets_give_the_same_results(layout, kernel_device, seed, 
         return (out, lse, *torch.autograd.grad(out, leaves, do))
     want = run()
     monkeypatch.setattr(ops, "_offsets_64", lambda layout, *tensors: True)
-    # fresh recipes and launch plans: the cached ones were worked out with the flag off
-    monkeypatch.setattr(ops, "_FWD_RECIPES", {})
-    monkeypatch.setattr(ops, "_BWD_RECIPES", {})
-    for launcher in runtime._DIRECT_LAUNCHERS.values():
-        if hasattr(launcher, "_plans"):
-            monkeypatch.setattr(launcher, "_plans", {})
+    _forget_recipes(monkeypatch)  # the cached recipes and plans were worked out with the flag off
     got = run()
     assert [r[0].keywords["OFFSETS_64"] for r in ops._FWD_RECIPES.values()] == [True]
     assert [(r[0].keywords["OFFSETS_64"], r[2].keywords["OFFSETS_64"]) for r in ops._BWD_RECIPES.values()] == [

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from kernel_lab import mlp
 from kernel_lab.mlp import ops
 from kernel_lab.shared import reference
-from kernel_lab.shared.testing import assert_close_to_reference, poisoned, randn, strided_rows
+from kernel_lab.shared.testing import (
+    assert_close_to_reference,
+    fresh_launch_plans,
+    poisoned,
+    randn,
+    strided_rows,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["none", "tanh"]
@@ -146,9 +152,10 @@ def test_bias_gelu_forward_row_blocks_beyond_grid_axis_1(kernel_device, seed, of
     2 and 1; every element of the NaN-poisoned output must come out right. With 32- and 64-bit
     offsets (the latter, for tensors past 2**31 elements, forced by the threshold)."""
     monkeypatch.setattr(ops, "_RECIPES", {})
+    fresh_launch_plans(monkeypatch)
     monkeypatch.setattr(ops, "MAX_GRID_Y", 4)
     monkeypatch.setattr(ops, "MAX_OFFSET_32", 2**31 if offsets == 32 else 0)
-    m, n = 23, 1031 + offsets  # shapes of their own: on a GPU launch plans outlive _RECIPES
+    m, n = 23, 1031 + offsets
     x = randn(m, n, device=kernel_device, seed=seed, scale=2.0)
     bias = randn(n, device=kernel_device, seed=seed + 1)
     out = poisoned(m, n, dtype=torch.float32, device=kernel_device)
@@ -165,10 +172,9 @@ def test_bias_gelu_bias_grad_both_ways_match_reference(kernel_device, seed, fuse
     column blocks, twice in a row (the second call reuses the recipe and, on a GPU, the
     workspace: its counters must have been re-armed)."""
     monkeypatch.setattr(ops, "_RECIPES", {})
+    fresh_launch_plans(monkeypatch)
     monkeypatch.setattr(ops, "BIAS_GRAD_FUSED_MAX_ELEMENTS", 1 << 40 if fused else 0)
-    # one row more in one of the two: on a GPU the launchers' plans outlive _RECIPES, and equal
-    # shapes would name the two different launches with one plan key
-    x = randn(300 + fused, 1100, dtype=torch.float32, device=kernel_device, seed=seed, scale=2.0)
+    x = randn(301, 1100, dtype=torch.float32, device=kernel_device, seed=seed, scale=2.0)
     bias = randn(1100, dtype=torch.float32, device=kernel_device, seed=seed + 1)
     for _ in range(2):
         _check(x, bias, "none", seed)

@@ -23,9 +23,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _forget_recipes(monkeypatch):
-    """The launchers remember per shape what they launch (tiles, grids): a test that changes the
-    constants those follow from starts from an empty recipe cache."""
+    """The launchers remember per shape what they launch (tiles, grids), and so do the kernels'
+    direct launchers on a GPU: a test that changes the constants those follow from starts from
+    an empty recipe cache and fresh launch plans."""
     monkeypatch.setattr(ops, "_RECIPES", {})
+    testing.fresh_launch_plans(monkeypatch)
 
 
 @pytest.fixture

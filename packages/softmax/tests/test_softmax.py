@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernel_lab.softmax.ops as ops
-from kernel_lab.shared import reference, runtime, testing
+from kernel_lab.shared import reference, testing
 from kernel_lab.softmax import LogSoftmax, Softmax, log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,7 +30,7 @@ def small_blocks(monkeypatch):
 
     def shrink(max_fused: int, loop_block: int) -> None:
         monkeypatch.setattr(ops, "_PLANS", {})  # plans made with the other thresholds
-        monkeypatch.setattr(runtime, "_DIRECT_LAUNCHERS", {})  # and the launch plans keyed without them
+        testing.fresh_launch_plans(monkeypatch)  # and the launch plans keyed without them
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK",

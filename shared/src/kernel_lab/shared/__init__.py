@@ -5,4 +5,4 @@ Submodules: `runtime`, `reference`, `testing`, `bench`, `shapes`, `pytest_plugin
 installed).
 """
 
-__version__ = "0.1.17"
+__version__ = "0.1.18"

@@ -111,6 +111,16 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).max)
 
 
+def fresh_launch_plans(monkeypatch) -> None:
+    """Fresh direct launchers (runtime.DirectLauncher) for the rest of a test, the process's own
+    coming back after it: for a test that changes what a launcher decides from the shapes (tiles,
+    thresholds, TMA or not). Launch plans are keyed by shapes, strides and alignment, not by that
+    policy, so a plan made under the other policy would name a different launch (and
+    KERNEL_LAB_CHECK_PLANS=1, which the test suites set, fails the call). `monkeypatch`: pytest's
+    fixture. The launchers' own recipe caches are the caller's to empty."""
+    monkeypatch.setattr(runtime, "_DIRECT_LAUNCHERS", {})
+
+
 # Every report of assert_close_to_reference in this process, in order: the pytest plugin prints
 # the worst error per check name with `--kernel-lab-errors` (the CPU `nox -s bench` summary).
 RECORDED_REPORTS: list[ErrorReport] = []
