@@ -250,6 +250,66 @@ def test_modules_with_numpy_scalar_eps_compile_without_graph_break(no_interprete
         torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x))
 
 
+@pytest.mark.parametrize("module", [RMSNorm, LayerNorm])
+def test_module_hidden_size_is_checked_and_stored_as_int(module):
+    # an int, NumPy / 0-d tensor integers and one-dim shapes (nn.LayerNorm((8,)) style) give one module
+    for size in (8, np.int64(8), torch.tensor(8), (8,), [8], torch.Size([8])):
+        m = module(size)
+        assert type(m.hidden_size) is int and m.hidden_size == 8 and m.weight.shape == (8,)
+        assert repr(m).startswith(f"{module.__name__}(8, eps=")
+    assert module(0).weight.shape == (0,)
+    # a shape of two dims built a (4, 8) weight that every forward refused with layer_norm's /
+    # rms_norm's "weight must have shape (8,)"; negative sizes raised torch's RuntimeError
+    for bad in ((4, 8), (), -1):
+        with pytest.raises(ValueError, match=f"{module.__name__}: .*hidden_size"):
+            module(bad)
+    for bad in (8.0, True, "8", None):
+        with pytest.raises(TypeError, match=f"{module.__name__}: hidden_size must be an int, got"):
+            module(bad)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0, 0.5, -2.0])
+def test_rms_norm_module_starts_as_the_identity_scale_for_any_offset(offset, seed):
+    # the weight starts at 1 - offset (it was ones for every offset but 1.0: a scale of 1.5 at 0.5)
+    x = testing.randn(4, 16, seed=seed)
+    m = RMSNorm(16, eps=1e-5, offset=offset)
+    assert torch.equal(m.weight.detach(), torch.full((16,), 1.0 - offset))
+    with torch.no_grad():
+        testing.assert_close_to_reference(m(x), reference.rms_norm(x, None, 1e-5),
+                                          torch.nn.functional.rms_norm(x, (16,), eps=1e-5))
+
+
+def test_modules_reset_parameters_after_meta_device_construction(seed):
+    """Meta-device initialisation (FSDP, `to_empty`) calls reset_parameters where a module has
+    it; ours had none, so their weights kept whatever to_empty's memory held."""
+    x = testing.randn(4, 16, seed=seed)
+    for m, nn_m in ((RMSNorm(16, eps=1e-5, offset=1.0, device="meta"), nn.RMSNorm(16, eps=1e-5)),
+                    (LayerNorm(16, device="meta"), nn.LayerNorm(16))):
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():  # what to_empty may leave
+                p.copy_(testing.randn(16, seed=seed + 1))
+        m.reset_parameters()
+        with torch.no_grad():
+            ref = (reference.rms_norm(x, None, 1e-5) if isinstance(m, RMSNorm)
+                   else reference.layer_norm(x, None, None, 1e-5))
+            testing.assert_close_to_reference(m(x), ref, nn_m(x))
+    ln = LayerNorm(16, elementwise_affine=False)
+    ln.reset_parameters()  # no parameters: nothing to reset
+    assert ln.weight is None and ln.bias is None
+
+
+def test_layer_norm_module_repr_names_both_parameters():
+    # with bias=False the repr said affine=True, as for the full affine
+    assert repr(LayerNorm(8)) == "LayerNorm(8, eps=1e-05, elementwise_affine=True, bias=True)"
+    assert repr(LayerNorm(8, bias=False)) == "LayerNorm(8, eps=1e-05, elementwise_affine=True, bias=False)"
+    no_affine = "LayerNorm(8, eps=1e-05, elementwise_affine=False, bias=False)"
+    assert repr(LayerNorm(8, elementwise_affine=False)) == no_affine
+    model = nn.Sequential(nn.LayerNorm(8, bias=False))
+    patch_hf(model)  # the replacement takes the parameters after construction
+    assert repr(model[0]) == "LayerNorm(8, eps=1e-05, elementwise_affine=True, bias=False)"
+
+
 class LlamaRMSNorm(nn.Module):
     """Hugging Face's LlamaRMSNorm, verbatim in behaviour (transformers need not be installed)."""
 
@@ -321,6 +381,14 @@ def test_patch_hf_refuses_an_eps_the_kernels_cannot_take_before_replacing_anythi
     with pytest.raises(ValueError, match="eps must be a float32 normal"):
         patch_hf(model)
     assert type(model[0]) is nn.LayerNorm and type(model[1]) is LlamaRMSNorm
+
+
+@pytest.mark.parametrize("model", ["model", None, [nn.LayerNorm(8)], {"norm": nn.LayerNorm(8)}],
+                         ids=["str", "None", "list", "dict"])
+def test_patch_hf_refuses_a_non_module(model):
+    # an AttributeError on named_modules before
+    with pytest.raises(TypeError, match=r"patch_hf: model must be a torch\.nn\.Module, got"):
+        patch_hf(model)
 
 
 def test_patch_hf_replaces_a_norm_under_every_name_and_keeps_eval_mode():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -24,13 +26,36 @@ HF_RMS_NORM_OFFSETS: dict[str, float] = {
 }
 
 
+def _check_hidden_size(name: str, hidden_size) -> int:
+    """hidden_size as an int: an int (NumPy and 0-d integer tensors too, not bools) or, as
+    `torch.nn.LayerNorm`'s normalized_shape, a shape of one dim. These modules normalize over the
+    last dim only: a longer shape would build a weight that every forward refuses."""
+    shape = hidden_size
+    if isinstance(hidden_size, (tuple, list, torch.Size)):
+        if len(hidden_size) != 1:
+            raise ValueError(f"{name}: normalizes over the last dim only; hidden_size must be an int or a "
+                             f"shape of one dim, got {tuple(hidden_size)}")
+        shape = hidden_size[0]
+    try:
+        if isinstance(shape, bool):
+            raise TypeError
+        n = operator.index(shape)
+    except TypeError:
+        raise TypeError(f"{name}: hidden_size must be an int, got {type(shape).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{name}: hidden_size must be >= 0, got {n}")
+    return n
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) * (offset + weight).
 
-    weight: (hidden_size,), initialised so that y = x / rms(x) (ones, or zeros when offset is
-    1.0, the Gemma convention). See `kernel_lab.norms.rms_norm` for dtypes and layouts. eps and
-    offset are checked here and kept as Python floats (NumPy scalars, as some Hugging Face
-    configs hold, are converted).
+    hidden_size: an int or a shape of one dim ((hidden,), as torch.nn.RMSNorm takes), stored as
+    an int. weight: (hidden_size,), initialised (`reset_parameters`) to 1 - offset, so that
+    y = x / rms(x) (ones, or zeros when offset is 1.0, the Gemma convention). See
+    `kernel_lab.norms.rms_norm` for dtypes and layouts. eps and offset are checked here and kept
+    as Python floats (NumPy scalars, as some Hugging Face configs hold, are converted). Raises
+    TypeError / ValueError for a bad hidden_size, eps or offset.
     """
 
     def __init__(
@@ -43,10 +68,17 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        hidden_size = _check_hidden_size(type(self).__name__, hidden_size)
         eps, offset = check_eps_offset(type(self).__name__, eps, offset)
         self.hidden_size, self.eps, self.offset = hidden_size, float(eps), float(offset)
-        init = torch.zeros if offset == 1.0 else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The initial weight, 1 - offset: the identity scale for any offset (it was ones for every
+        offset but 1.0, a scale of 1.5 at offset 0.5). Meta-device initialisation (FSDP,
+        `to_empty`) calls it, as for torch.nn.RMSNorm."""
+        nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=self.offset)
@@ -57,8 +89,8 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim, a drop-in for `torch.nn.LayerNorm(hidden_size)`:
-    y = (x - mean) / sqrt(var + eps) * weight + bias. See `kernel_lab.norms.layer_norm`. eps as
-    `RMSNorm`'s: checked here, kept as a Python float."""
+    y = (x - mean) / sqrt(var + eps) * weight + bias. See `kernel_lab.norms.layer_norm`.
+    hidden_size and eps as `RMSNorm`'s: checked here, kept as an int and a Python float."""
 
     def __init__(
         self,
@@ -71,16 +103,28 @@ class LayerNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        hidden_size = _check_hidden_size(type(self).__name__, hidden_size)
         self.hidden_size, self.eps = hidden_size, float(check_eps_offset(type(self).__name__, eps)[0])
         kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(hidden_size, **kw)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(hidden_size, **kw)) if elementwise_affine and bias else None
+        self.weight = nn.Parameter(torch.empty(hidden_size, **kw)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.empty(hidden_size, **kw)) if elementwise_affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight ones, bias zeros, as torch.nn.LayerNorm.reset_parameters (which meta-device
+        initialisation, FSDP or `to_empty`, calls where a module has it)."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}"
+        # both parameters: bias=False (weight only) showed as the full affine before
+        return (f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
+                f"bias={self.bias is not None}")
 
 
 def _replacement(module: nn.Module) -> nn.Module | None:
@@ -118,8 +162,10 @@ def patch_hf(model: nn.Module) -> int:
 
     A norm's eps may be a Python or NumPy real scalar (it is stored as a Python float); one that
     the kernels cannot take (not a float32 normal, a bool, a string) raises TypeError / ValueError
-    before anything is replaced.
+    before anything is replaced. TypeError where `model` is not a torch.nn.Module.
     """
+    if not isinstance(model, nn.Module):  # (a bare AttributeError on named_modules before)
+        raise TypeError(f"patch_hf: model must be a torch.nn.Module, got {type(model).__name__}")
     swaps, replaced = [], {}  # a module shared by several parents gets one replacement, counted once
     for _, parent in model.named_modules():
         # every name: named_children() yields a module registered twice in one parent once, and
