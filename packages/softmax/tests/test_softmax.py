@@ -5,6 +5,7 @@ reference backend; `interpret` tests run the real Triton kernels on small shapes
 TRITON_INTERPRET=1, or CUDA); `gpu` tests run LLM-sized shapes and torch.compile.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,35 @@ def test_non_int_dim_and_non_tensor_raise_type_error():
         softmax(torch.zeros(3), 0.0)
     with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
         softmax([1.0, 2.0])
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("dim", [np.int64(0), np.int32(-1), torch.tensor(1)], ids=["np.int64", "np.int32", "tensor"])
+def test_integer_like_dim_is_accepted_as_in_torch(op_name, dim, seed):
+    """torch.softmax takes any integer with __index__ (a numpy int from a shape computation, a
+    0-d integer tensor); it used to raise TypeError here. bool and float stay TypeError."""
+    ours, torch_op, ref_fwd, _ = OPS[op_name]
+    x = testing.randn(4, 7, seed=seed)
+    y = ours(x, dim)
+    testing.assert_close_to_reference(y, ref_fwd(x, int(dim)), torch_op(x, dim), name=op_name)
+    for bad in (True, 1.0, torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="dim must be an int"):
+            ours(x, bad)
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("shape, dim", [((4, 0), -1), ((0, 3), 0), ((3, 0, 2), 1)])
+def test_zero_length_dim_on_the_reference_path(op_name, backend, shape, dim, monkeypatch):
+    """The CPU fallback (and backend="reference") on a zero-length softmax dim: an empty result
+    and an empty gradient, as torch gives; it raised the reference's IndexError from amax."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # backend=None: the CPU fallback, not the kernel
+    ours, torch_op, _, _ = OPS[op_name]
+    x = torch.zeros(shape, requires_grad=True)
+    y = ours(x, dim, backend=backend)
+    assert y.shape == torch_op(x.detach(), dim).shape and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
@@ -237,6 +267,35 @@ def test_zero_size_and_scalar_inputs(shape, dim, kernel_device):
     assert y.shape == x.shape
     if x.numel():  # an empty output has nothing but its shape to check
         testing.assert_close_to_reference(y, reference.softmax(x, dim), torch.softmax(x, dim))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize(
+    "in_dtype, dtype",
+    [(torch.float16, torch.float32), (torch.float32, torch.bfloat16), (torch.int64, torch.float32)],
+    ids=["fp16->fp32", "fp32->bf16", "int64->fp32"],
+)
+def test_dtype_keyword_casts_the_input_first_as_torch_does(op_name, in_dtype, dtype, kernel_device, seed):
+    """`dtype=` as in torch.softmax(x, dim, dtype=...): x cast to dtype, then the op; the result
+    has dtype and the gradient x's dtype. It used to be an unexpected keyword argument."""
+    ours, torch_op, ref_fwd, ref_bwd = OPS[op_name]
+    x = testing.randn(5, 37, device=kernel_device, seed=seed, scale=3.0).to(in_dtype)
+    y = ours(x, -1, dtype=dtype, backend="triton")
+    assert y.dtype == dtype
+    testing.assert_close_to_reference(y, ref_fwd(x.to(dtype)), torch_op(x, -1, dtype=dtype), factor=FWD_FACTOR)
+    if not in_dtype.is_floating_point:
+        return
+    xg = x.clone().requires_grad_(True)
+    dy = testing.randn(5, 37, dtype=dtype, device=kernel_device, seed=seed + 1)
+    (dx,) = torch.autograd.grad(ours(xg, -1, dtype=dtype, backend="triton"), xg, dy)
+    xb = x.clone().requires_grad_(True)
+    (baseline_dx,) = torch.autograd.grad(torch_op(xb, -1, dtype=dtype), xb, dy)
+    assert dx.dtype == in_dtype == baseline_dx.dtype
+    ref_dx = ref_bwd(ref_fwd(x.to(dtype)), dy)
+    testing.assert_close_to_reference(dx, ref_dx, baseline_dx, factor=BWD_FACTOR, name=f"{op_name} backward")
+    with pytest.raises(TypeError, match="dtype must be None, float16, bfloat16 or float32"):
+        ours(x, -1, dtype=torch.float64)
 
 
 # --- gpu tier ------------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ from .ops import log_softmax, softmax
 
 
 class Softmax(nn.Module):
-    """Drop-in for `torch.nn.Softmax(dim)` running kernel_lab's softmax (see `softmax`)."""
+    """Drop-in for `torch.nn.Softmax(dim)` running kernel_lab's softmax (see `softmax`).
+
+    `dim` defaults to -1 and must be an integer: torch.nn.Softmax's default None (a deprecated
+    implicit dim, 0 for 0-, 1- and 3-d inputs) is not taken.
+    """
 
     def __init__(self, dim: int = -1) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ Both paths run the same launchers, `softmax_fwd` and `softmax_bwd`.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,16 @@ def _make_plan(
     return _Plan("split", block_n=SPLIT_BLOCK_N, num_warps=SPLIT_NUM_WARPS, n_splits=n_splits, chunk=chunk)
 
 
+def _reference_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """The PyTorch reference (the CPU fallback and backend="reference") in x's dtype."""
+    if x.numel() == 0:
+        # The reference's amax raises IndexError on a zero-length `dim`; torch.softmax returns an
+        # empty tensor. (A clone, not empty_like, keeps the autograd graph of an x requiring grad.)
+        return x.clone()
+    fn = reference.log_softmax if log else reference.softmax
+    return fn(x, dim, compute_dtype=torch.float32).to(x.dtype)
+
+
 def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """`t` with `dim` moved last, viewed as (rows, cols) with unit column stride.
 
@@ -235,8 +246,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     Assumes checked inputs. Output: same shape and dtype as x. `traceable`: see `runtime.launchable`.
     """
     if runtime.backend(x) == "reference":
-        fn = reference.log_softmax if log else reference.softmax
-        return fn(x, dim, compute_dtype=torch.float32).to(x.dtype)
+        return _reference_fwd(x, dim, log)
     x2 = _as_rows(x, dim)
     n_rows, n_cols = x2.shape
     y2 = torch.empty_like(x2, memory_format=torch.contiguous_format)
@@ -374,14 +384,34 @@ class _SoftmaxFunction(torch.autograd.Function):
         return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
 
 
+def _index(dim, name: str) -> int:
+    """`dim` as an int where it is an integer of another type (numpy.int64, a 0-d integer tensor:
+    what torch.softmax accepts through __index__); TypeError for anything else, bool included."""
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)
+        except TypeError:
+            pass
+    raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """x cast to `dtype` before the op, as torch.softmax's `dtype=` does (differentiable)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: dtype must be None, float16, bfloat16 or float32, got {dtype}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    return x.to(dtype)
+
+
 def _check(x: torch.Tensor, dim: int, backend: str | None, name: str) -> int:
     """Validate the public op's arguments; return `dim` normalised to [0, ndim)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name}: x.dtype must be float16, bfloat16 or float32, got {x.dtype}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")
+    if type(dim) is not int:
+        dim = _index(dim, name)
     ndim = max(x.ndim, 1)
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}: dim {dim} is out of range for a tensor of {x.ndim} dims")
@@ -391,8 +421,7 @@ def _check(x: torch.Tensor, dim: int, backend: str | None, name: str) -> int:
 
 def _dispatch(x: torch.Tensor, dim: int, log: bool, backend: str | None) -> torch.Tensor:
     if backend == "reference":
-        fn = reference.log_softmax if log else reference.softmax
-        return fn(x, dim, compute_dtype=torch.float32).to(x.dtype)
+        return _reference_fwd(x, dim, log)
     if torch.compiler.is_compiling():
         return torch.ops.kernel_lab.softmax_fwd(x, dim, log)
     if torch.is_grad_enabled() and x.requires_grad:
@@ -400,7 +429,9 @@ def _dispatch(x: torch.Tensor, dim: int, log: bool, backend: str | None) -> torc
     return softmax_fwd(x, dim, log)
 
 
-def softmax(x: torch.Tensor, dim: int = -1, *, backend: str | None = None) -> torch.Tensor:
+def softmax(
+    x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None, backend: str | None = None
+) -> torch.Tensor:
     """Softmax along `dim`: y = exp(x - max(x)) / sum(exp(x - max(x))).
 
     x: any shape, float16 / bfloat16 / float32, any strides (a row-strided view with unit
@@ -409,21 +440,31 @@ def softmax(x: torch.Tensor, dim: int = -1, *, backend: str | None = None) -> to
 
     Differs from torch.softmax on one point: a row that is entirely -inf gives 0, not NaN.
 
+    dtype: as in torch.softmax, x is cast to it before the op (so the result has it); float16,
+    bfloat16 or float32. It also lets an integer x through (torch.softmax(x, dim, dtype=...)).
+
     backend: None picks by device (`kernel_lab.shared.runtime.backend`); "triton" insists on
     the Triton kernel (ValueError if it cannot run: a CPU tensor without TRITON_INTERPRET=1);
     "reference" runs the PyTorch reference.
 
-    Raises TypeError for non-float dtypes or a non-int dim, ValueError for dim out of range.
+    Raises TypeError for non-float dtypes (of x, or `dtype`) or a non-integer dim, ValueError for
+    dim out of range.
     """
+    if dtype is not None:
+        x = _cast(x, dtype, "softmax")
     dim = _check(x, dim, backend, "softmax")
     return _dispatch(x, dim, False, backend)
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1, *, backend: str | None = None) -> torch.Tensor:
+def log_softmax(
+    x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None, backend: str | None = None
+) -> torch.Tensor:
     """Log-softmax along `dim`: y = x - max(x) - log(sum(exp(x - max(x)))).
 
-    Same inputs, dtypes, layouts, errors and `backend` choice as `softmax`. A row that is
-    entirely -inf gives -inf everywhere (torch.log_softmax gives NaN).
+    Same inputs, dtypes, layouts, errors, `dtype` and `backend` choice as `softmax`. A row that
+    is entirely -inf gives -inf everywhere (torch.log_softmax gives NaN).
     """
+    if dtype is not None:
+        x = _cast(x, dtype, "log_softmax")
     dim = _check(x, dim, backend, "log_softmax")
     return _dispatch(x, dim, True, backend)
