@@ -580,6 +580,11 @@ def _valid_args():
         ({"params": [torch.zeros(8)[::2]]}, ValueError, "without gaps"),
         ({"amsgrad": True}, ValueError, "max_exp_avg_sqs is required"),
         ({"step": [torch.zeros((), dtype=torch.float64)]}, ValueError, r"step\[0\] must be a 1-element float32"),
+        ({"eps": None}, TypeError, "eps must be a float, got NoneType"),
+        ({"weight_decay": "0.1"}, TypeError, "weight_decay must be a float, got str"),
+        ({"beta1": None}, TypeError, "beta1 must be a float, got NoneType"),
+        ({"beta2": torch.tensor([0.9, 0.99])}, TypeError, "beta2 must be a float, got a tensor of shape"),
+        ({"params": [[0.0] * 4]}, TypeError, r"params\[0\]: expected a torch.Tensor, got list"),
     ],
 )
 def test_adamw_step_rejects_bad_inputs(change, error, match):
@@ -695,3 +700,137 @@ def test_loading_a_torch_adamw_checkpoint_keeps_master_weights():
     p.grad = torch.ones(8, dtype=torch.bfloat16)
     opt.step()
     assert opt.state[p]["master_param"].dtype == torch.float32
+
+
+def test_numpy_scalar_hyperparameters_are_taken_as_torch_takes_them():
+    """lr (and step) as numpy scalars, as a config file or np.linspace schedule gives them: torch.optim.AdamW
+    takes them; they used to be refused (TypeError)."""
+    np = pytest.importorskip("numpy")
+    ours, theirs = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([ours], lr=np.float32(0.1), weight_decay=np.float64(0.01))
+    topt = torch.optim.AdamW([theirs], lr=np.float32(0.1), weight_decay=np.float64(0.01), foreach=False)
+    for step in range(2):
+        g = testing.randn(3, seed=step)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        topt.step()
+    _assert_matches_torch([ours], [theirs], opt, topt, "numpy lr")
+    p, m, v = torch.ones(3), torch.zeros(3), torch.zeros(3)
+    adamw_step_([p], [torch.ones(3)], [m], [v], step=np.int64(1), lr=np.float32(0.1), beta1=0.9, beta2=0.99,
+                eps=1e-8, weight_decay=0.0)
+    torch.testing.assert_close(p, torch.full((3,), 0.9))  # step 1: p -= lr * g / |g|
+
+
+def test_add_param_group_refused_leaves_the_optimizer_unchanged():
+    """A refused group used to stay in param_groups after the error (the next step ran it)."""
+    opt = AdamW([torch.nn.Parameter(torch.zeros(3))])
+    refused = [
+        ({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]}, TypeError, "float32, float16"),
+        ({"params": [torch.nn.Parameter(torch.zeros(3))], "state_dtype": torch.float16}, TypeError, "state_dtype"),
+        ({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1.0}, ValueError, r"param_groups\[1\]: lr"),
+        ({"params": [torch.nn.Parameter(torch.zeros(3))], "betas": 0.9}, ValueError, "betas must be a pair"),
+    ]
+    for group, error, match in refused:
+        with pytest.raises(error, match=match):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+
+
+def test_a_group_state_dtype_set_to_float16_after_construction_raises():
+    """float16 moments are refused at construction; a group edited afterwards used to get them."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamW([p])
+    opt.param_groups[0]["state_dtype"] = torch.float16
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match=r"param_groups\[0\]: state_dtype must be"):
+        opt.step()
+    assert len(opt.state[p]) == 0
+
+
+def test_loading_state_of_another_shape_raises_before_loading_anything():
+    """A checkpoint of another model: its (8,) moments used to be broadcast into the (4, 8) param."""
+    source = torch.nn.Parameter(torch.zeros(8))
+    topt = torch.optim.AdamW([source])
+    source.grad = torch.ones(8)
+    topt.step()
+    p = torch.nn.Parameter(torch.zeros(4, 8))
+    opt = AdamW([p], lr=0.5)
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(4, 8\) but the state_dict's 'exp_avg'"):
+        opt.load_state_dict(topt.state_dict())
+    assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.interpret
+def test_switching_master_weights_off_stops_using_the_master_copy(kernel_device, seed):
+    """master_weights switched off: the param is updated from its own values (here, edited in
+    place) as torch.optim.AdamW does; the stale float32 copy used to overwrite them."""
+    ours = _params([(5, 7)], torch.bfloat16, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(ours, master_weights=True, **HP)
+    topt = torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(3):
+        if step == 1:
+            opt.param_groups[0]["master_weights"] = False
+            with torch.no_grad():
+                ours[0].mul_(-1.0)  # exact in bfloat16
+                theirs[0].copy_(ours[0])
+        _set_grads([ours, theirs], seed + step)
+        opt.step()
+        topt.step()
+        theirs[0].data = theirs[0].data.bfloat16().float()  # the param keeps bfloat16 values
+    assert "master_param" not in opt.state[ours[0]]
+    torch.testing.assert_close(ours[0].detach().float(), theirs[0].detach(), rtol=0, atol=2 ** -7 * 4)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("retain_grads", [False, True], ids=["new-grads", "same-grad-objects"])
+def test_a_param_given_another_memory_layout_after_its_first_step_follows_torch(kernel_device, seed, retain_grads):
+    """module.to(memory_format=torch.channels_last) after a step (or after loading a checkpoint):
+    the param's .data (and its grad's) are replaced by another layout. The state used to keep the
+    old one, and the kernel, which walks them in memory order, paired the wrong elements (errors
+    of 2e-2 after one step). same-grad-objects: the grads are the ones step() checked last time
+    and are not checked again; the new addresses make the launcher check, and step() re-check."""
+    shape = (2, 3, 4, 5)
+    ours = _params([shape], torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, weight_decay=0.1, amsgrad=True, **HP)
+    topt = torch.optim.AdamW(theirs, weight_decay=0.1, amsgrad=True, foreach=False, **HP)
+    for step in range(3):
+        g = testing.randn(*shape, device=kernel_device, seed=seed + 100 + step)
+        for p in (ours[0], theirs[0]):
+            if p.grad is None or not retain_grads:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        if step == 1:
+            for p in (ours[0], theirs[0]):
+                module = torch.nn.Module()
+                module.weight = p
+                module.to(memory_format=torch.channels_last)  # p.data = ..., p.grad.data = ...
+            assert not ours[0].is_contiguous()
+        opt.step()
+        topt.step()
+    assert opt.state[ours[0]]["exp_avg"].stride() == ours[0].stride()
+    _assert_matches_torch(ours, theirs, opt, topt, "param relaid out")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("change", ["resized", "strided"])
+def test_a_param_whose_data_was_replaced_with_the_same_grad_object_raises(kernel_device, change):
+    """p.data and p.grad.data replaced keep the grad object step() checked at the last step, so
+    its checks were skipped. resized (larger): the kernel walked the new size over the old state
+    (the process aborted: heap corruption); strided (a view with gaps): the kernel walked the
+    memory in between (wrong elements updated, silently). Now the launcher sees the new
+    addresses, checks and refuses before launching anything, and step() raises its own error."""
+    p = torch.nn.Parameter(torch.zeros(6, device=kernel_device))
+    opt = AdamW([p], lr=1e-3)
+    p.grad = torch.ones(6, device=kernel_device)
+    opt.step()
+    n = 64 if change == "resized" else 6
+    buffer = torch.zeros(n, 2, device=kernel_device)
+    p.data = buffer.view(-1)[:n] if change == "resized" else buffer[:, 0]
+    p.grad.data = torch.ones(n, device=kernel_device)
+    match = r"is \(64,\) but its optimizer state is \(6,\)" if change == "resized" else "without gaps"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert float(opt.state[p]["step"]) == 1.0 and not buffer.any()

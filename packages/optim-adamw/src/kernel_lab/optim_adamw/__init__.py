@@ -3,5 +3,5 @@
 from .ops import adamw_step_
 from .optimizer import AdamW
 
-__version__ = "0.2.4"
+__version__ = "0.2.5"
 __all__ = ["AdamW", "adamw_step_"]

@@ -22,6 +22,7 @@ captured. One launch per (device, param dtype, grad dtype, state dtype) in a cal
 from __future__ import annotations
 
 import math
+import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,6 +175,7 @@ def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
     key = (device, *rows)
 
     def build():
+        _check_walk(b)
         table = torch.empty((NUM_ROWS, t), dtype=torch.int64, device=device)
         host = np.zeros((NUM_ROWS, t), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -187,14 +189,47 @@ def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
     return _cached(_PTR_CACHE, key, build)
 
 
+class TensorsChangedError(ValueError):
+    """A tensor of a launch no longer has its parameter's shape and memory layout (_check_walk)."""
+
+
+def _check_walk(b: _Bucket) -> None:
+    """TensorsChangedError unless each param covers its memory without gaps and its grad, moments
+    and master copy have its shape and memory layout: the kernel walks them all flat, in memory
+    order, for the param's numel.
+
+    Run when a pointer table is built (an address changed), so at no cost per cached step: the
+    callers check their inputs, but AdamW.step() skips the checks while the grad tensors are the
+    ones it checked at the last step, and `p.data = ...` / `p.grad.data = ...` (a resized
+    parameter, `module.to(memory_format=torch.channels_last)`) keep those tensor objects. Walking
+    a resized param over its old state corrupted memory; a new layout paired wrong elements.
+    """
+    seqs = [(label, seq) for label, seq in (("grad", b.grads), ("exp_avg", b.exp_avgs),
+                                             ("exp_avg_sq", b.exp_avg_sqs), ("max_exp_avg_sq", b.max_exp_avg_sqs),
+                                             ("master_param", b.master_params)) if seq is not None]
+    for i, p in enumerate(b.params):
+        shape, stride = p.shape, p.stride()
+        if not is_dense(p):
+            raise TensorsChangedError(f"adamw: a parameter of shape {tuple(shape)} has strides {stride}: "
+                                      "it must cover its memory without gaps")
+        for label, seq in seqs:
+            x = seq[i]
+            # (the usual case first: same shape and strides, two attribute reads; this runs over
+            # every tensor of a bucket whenever its table is rebuilt)
+            if x.shape != shape or (x.stride() != stride and not (x.is_contiguous() and p.is_contiguous())):
+                raise TensorsChangedError(
+                    f"adamw: a parameter of shape {tuple(shape)} (strides {stride}) and its {label} of shape "
+                    f"{tuple(x.shape)} (strides {x.stride()}) no longer match: was a tensor's .data replaced?")
+
+
 def gpu_chunk(state_dtype: torch.dtype) -> int:
     """Elements per program of a CUDA launch whose moments are `state_dtype`."""
     return BF16_STATE_CHUNK if state_dtype == torch.bfloat16 else CHUNK
 
 
 def _launch_bucket(
-    b: _Bucket, *, step: float, lr: float, lr_tensor: torch.Tensor | None, beta1: float, beta2: float,
-    eps: float, weight_decay: float, maximize: bool,
+    b: _Bucket, table: tuple[torch.Tensor, bool], *, step: float, lr: float, lr_tensor: torch.Tensor | None,
+    beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
 ) -> None:
     device = b.params[0].device
     interpret = device.type != "cuda"
@@ -202,7 +237,7 @@ def _launch_bucket(
     numels, work, num_programs = _work_tables(tuple(p.numel() for p in b.params), chunk, device)
     if num_programs == 0:
         return
-    ptrs, aligned = _ptr_table(b, device)
+    ptrs, aligned = table
     runtime.launchable(_adamw_multi_tensor_kernel, False)[(num_programs,)](
         ptrs, numels, work, len(b.params),
         float(lr), lr_tensor if lr_tensor is not None else ptrs, float(step),
@@ -290,9 +325,12 @@ def adamw_step_launch(
                 weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             )
         return
-    for b in _buckets(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps):
+    buckets = _buckets(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps)
+    # every pointer table first: a check failing on a rebuilt one (_check_walk) launches nothing
+    tables = [_ptr_table(b, b.params[0].device) for b in buckets]
+    for b, table in zip(buckets, tables, strict=True):
         _launch_bucket(
-            b, step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
+            b, table, step=step, lr=lr, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, maximize=maximize,
         )
 
@@ -429,17 +467,31 @@ def check_hyperparameters(lr, beta1, beta2, eps, weight_decay, *, name: str) -> 
         # (a CUDA lr is not read back: that would synchronize every step; `not >=` also rejects NaN)
         if lr.device.type == "cpu" and not float(lr) >= 0:
             raise ValueError(f"{name}: lr must be >= 0, got {float(lr)}")
-    elif not isinstance(lr, (int, float)) or isinstance(lr, bool):
+    # numbers.Real: numpy scalars too (np.float32(3e-4) from a config), as torch.optim.AdamW takes
+    elif not isinstance(lr, numbers.Real) or isinstance(lr, bool):
         raise TypeError(f"{name}: lr must be a float or a 1-element tensor, got {type(lr).__name__}")
     elif not lr >= 0:
         raise ValueError(f"{name}: lr must be >= 0, got {lr}")
     for label, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= float(beta) < 1.0:
+        if not 0.0 <= _real(beta, label, name) < 1.0:
             raise ValueError(f"{name}: {label} must be in [0, 1), got {float(beta)}")
-    if not float(eps) >= 0:
+    if not _real(eps, "eps", name) >= 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    if not float(weight_decay) >= 0:
+    if not _real(weight_decay, "weight_decay", name) >= 0:
         raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+
+def _real(value, label: str, name: str) -> float:
+    """float(value) for a real number or a 1-element tensor; TypeError naming the argument for
+    anything else (float() would raise without the name, and would take a string such as "0.9")."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(f"{name}: {label} must be a float, got a tensor of shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}")
+        return float(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name}: {label} must be a float, got {type(value).__name__}")
+    return float(value)
 
 
 def check_param(p: torch.Tensor, where: str) -> None:
@@ -541,13 +593,15 @@ def adamw_step_(
     if isinstance(step, (list, tuple)):
         steps = step
         lists["step"] = steps
-    elif isinstance(step, bool) or not isinstance(step, (int, float)):
+    elif isinstance(step, bool) or not isinstance(step, numbers.Real):
         raise TypeError(f"{name}: step must be an int or a list of float32 scalar tensors, got {type(step).__name__}")
     elif not step >= 1:
         raise ValueError(f"{name}: step is the 1-based number of this update, got {step}")
     for label, seq in lists.items():
         if len(seq) != n:
             raise ValueError(f"{name}: {label} has {len(seq)} entries, params has {n}")
+    if n:
+        check_param(params[0], f"{name}: params[0]")  # (before its device is read)
     device = params[0].device if n else None
     for i, p in enumerate(params):
         check_param(p, f"{name}: params[{i}]")

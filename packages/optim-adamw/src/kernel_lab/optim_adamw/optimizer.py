@@ -153,7 +153,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("AdamW: differentiable=True is not supported (the update is a Triton kernel)")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
-        betas = (float(betas[0]), float(betas[1]))
+        betas = (ops._real(betas[0], "beta1", "AdamW"), ops._real(betas[1], "beta2", "AdamW"))
         ops.check_hyperparameters(lr, betas[0], betas[1], eps, weight_decay, name="AdamW")
         check_state_dtype(state_dtype, "AdamW")
         defaults = {
@@ -199,10 +199,21 @@ class AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._plans = {}
-        group = self.param_groups[-1]
-        check_state_dtype(group["state_dtype"], f"AdamW: param_groups[{len(self.param_groups) - 1}]")
-        for i, p in enumerate(group["params"]):
-            ops.check_param(p, f"AdamW: param_groups[{len(self.param_groups) - 1}]['params'][{i}]")
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        try:
+            check_state_dtype(group["state_dtype"], f"AdamW: param_groups[{gi}]")
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"AdamW: param_groups[{gi}]: betas must be a pair (beta1, beta2), got {betas!r}")
+            ops.check_hyperparameters(group["lr"], betas[0], betas[1], group["eps"], group["weight_decay"],
+                                      name=f"AdamW: param_groups[{gi}]")
+            for i, p in enumerate(group["params"]):
+                ops.check_param(p, f"AdamW: param_groups[{gi}]['params'][{i}]")
+        except (TypeError, ValueError):
+            # a refused group must not stay in the optimizer (the next step() would run it)
+            self.param_groups.pop()
+            raise
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -215,6 +226,10 @@ class AdamW(torch.optim.Optimizer):
             state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
         if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        elif not group["master_weights"] and "master_param" in state:
+            # switched off: the update would read the stale copy and overwrite the param with it
+            # (edits of the param lost), and so again if it were switched back on
+            del state["master_param"]
         return state
 
     def step(self, closure=None):
@@ -260,19 +275,31 @@ class AdamW(torch.optim.Optimizer):
             for device, (index, tensors) in self._plan(gi, group, params).items():
                 grads = self._checked_grads(gi, device, [params[i] for i in index], index)
                 lr_value, lr_tensor = ops._split_lr(lr, device)
-                ops.dispatch(
-                    tensors["params"], grads, tensors["exp_avgs"], tensors["exp_avg_sqs"],
-                    tensors["max_exp_avg_sqs"], tensors["masters"], tensors["steps"],
+                kwargs = dict(
                     step=1.0, lr=lr_value, lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
                 )
+                try:
+                    ops.dispatch(tensors["params"], grads, tensors["exp_avgs"], tensors["exp_avg_sqs"],
+                                 tensors["max_exp_avg_sqs"], tensors["masters"], tensors["steps"], **kwargs)
+                except ops.TensorsChangedError:
+                    # A param's (or its grad's) .data was replaced since its state was made, by another
+                    # size or memory layout (module.to(memory_format=...) does that): the launcher
+                    # refused before launching anything. Checked again with refit, which raises a
+                    # named error or re-lays the state, then launched.
+                    self._grads_cache.pop((gi, device), None)
+                    grads = self._checked_grads(gi, device, [params[i] for i in index], index, refit=True)
+                    ops.dispatch(tensors["params"], grads, tensors["exp_avgs"], tensors["exp_avg_sqs"],
+                                 tensors["max_exp_avg_sqs"], tensors["masters"], tensors["steps"], **kwargs)
         return loss
 
     # torch's wrapper (record_function, step pre/post hooks) around the same update; named
     # "Optimizer.step#AdamW.step" in profiles, like the step of any torch optimizer.
     _hooked_update = torch.optim.Optimizer.profile_hook_step(_update)
 
-    def _checked_grads(self, gi: int, device, params: list[torch.Tensor], index: list[int]) -> list[torch.Tensor]:
+    def _checked_grads(
+        self, gi: int, device, params: list[torch.Tensor], index: list[int], refit: bool = False
+    ) -> list[torch.Tensor]:
         """The params' grads, checked, in the params' memory layout.
 
         The same grad tensors as at the previous step (the usual loop: backward accumulates
@@ -280,6 +307,10 @@ class AdamW(torch.optim.Optimizer):
         not checked again: the checks cost a few microseconds per tensor, and a small model's
         step is bound by its host work. The cache holds weak references: grads that
         zero_grad() dropped are freed, not kept alive until the next step.
+
+        refit: also check the params themselves and give the state each param's memory layout,
+        after the launcher found that they no longer match (ops._check_walk, run whenever an
+        address changed: so no step pays for these checks otherwise).
         """
         current = [p.grad for p in params]
         cached = self._grads_cache.get((gi, device))
@@ -288,13 +319,26 @@ class AdamW(torch.optim.Optimizer):
                 return current
         grads, as_is = [], True
         for i, p, g in zip(index, params, current, strict=True):
+            if refit:  # (checked when added; its .data may have been replaced since)
+                ops.check_param(p, f"AdamW: param_groups[{gi}] parameter {i}")
             ops.check_grad(g, p, f"AdamW: param_groups[{gi}] parameter {i}: grad")
-            moment = self.state.get(p, {}).get("exp_avg")
+            state = self.state.get(p, {})
+            moment = state.get("exp_avg")
             if moment is not None and moment.shape != p.shape:
                 # (a param resized in place, p.data = ...: the kernel would walk the old state's
                 # size over the new param; torch.optim.AdamW fails on the mismatch too)
                 raise ValueError(f"AdamW: param_groups[{gi}] parameter {i} is {tuple(p.shape)} but its optimizer "
                                  f"state is {tuple(moment.shape)}: it changed shape after its first step")
+            if refit:
+                # p.data replaced by another memory layout since the state was made (e.g.
+                # module.to(memory_format=torch.channels_last)): the kernel pairs elements by
+                # memory order, so the state follows the param's layout (torch's elementwise math
+                # pairs them by index). set_ keeps the tensor objects the cached launch lists hold.
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                    s = state.get(key)
+                    if torch.is_tensor(s) and s.stride() != p.stride() and not (s.is_contiguous()
+                                                                               and p.is_contiguous()):
+                        s.set_(torch.empty_like(p, dtype=s.dtype).copy_(s))
             if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
                 # the kernel walks param, grad and state in the same memory order
                 g = torch.empty_like(p, dtype=g.dtype).copy_(g)
@@ -325,6 +369,8 @@ class AdamW(torch.optim.Optimizer):
         cached = self._plans.get(gi)
         if cached is not None and cached[0] == (*flags, self._versions[0]):
             return cached[1]
+        # (a group's state_dtype set after construction, e.g. to torch.float16, is checked here)
+        check_state_dtype(group["state_dtype"], f"AdamW: param_groups[{gi}]")
         plan: dict[torch.device, tuple[list[int], dict]] = {}
         for i, p in enumerate(params):
             state = self._init_state(p, group)
@@ -357,6 +403,16 @@ class AdamW(torch.optim.Optimizer):
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         state_dtypes = [g["state_dtype"] for g in self.param_groups]
         masters = [g["master_weights"] for g in self.param_groups]
+        # Before anything is loaded: a state tensor of another shape (a checkpoint of another
+        # model) would be broadcast into the param's shape by the copies below, silently.
+        # (torch.optim.AdamW loads it and fails at its next step.) Other mismatches, such as the
+        # number of params, are the base class's ValueError.
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for i, (saved_id, p) in enumerate(zip(saved_ids, params, strict=False)):
+            for key, value in (saved_state.get(saved_id) or {}).items():
+                if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+                    raise ValueError(f"AdamW.load_state_dict: parameter {i} has shape {tuple(p.shape)} but the "
+                                     f"state_dict's {key!r} for it has shape {tuple(value.shape)}")
         super().load_state_dict(state_dict)
         for group, saved, state_dtype, master in zip(self.param_groups, state_dict["param_groups"], state_dtypes,
                                                      masters, strict=True):
