@@ -605,6 +605,24 @@ def test_adamw_step_rejects_one_step_tensor_for_two_params():
                     eps=1e-8, weight_decay=0.0)
 
 
+def test_a_parameter_listed_twice_is_refused():
+    """One launch would update it twice at once (a race on a GPU): refused by adamw_step_ and by
+    AdamW, whose refused group is not kept (torch.optim.AdamW warns and updates it twice)."""
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="params must be distinct tensors"):
+        adamw_step_([p, p], [torch.ones(4), torch.ones(4)], [torch.zeros(4), torch.zeros(4)],
+                    [torch.zeros(4), torch.zeros(4)], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.0)
+    q, r = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    twice = r"\['params'\]\[2\] is params\[0\] again"
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match=twice):
+        AdamW([q, r, q])
+    opt = AdamW([r])
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="may appear once"):
+        opt.add_param_group({"params": [q, q]})
+    assert len(opt.param_groups) == 1
+
+
 def test_adamw_optimizer_rejects_bad_hyperparameters_and_sparse_grads():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="beta2 must be in"):

@@ -208,8 +208,15 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"AdamW: param_groups[{gi}]: betas must be a pair (beta1, beta2), got {betas!r}")
             ops.check_hyperparameters(group["lr"], betas[0], betas[1], group["eps"], group["weight_decay"],
                                       name=f"AdamW: param_groups[{gi}]")
+            first: dict[int, int] = {}
             for i, p in enumerate(group["params"]):
                 ops.check_param(p, f"AdamW: param_groups[{gi}]['params'][{i}]")
+                j = first.setdefault(id(p), i)
+                if j != i:
+                    # One launch would update it twice at once, racing on the GPU (torch.optim.AdamW
+                    # warns, "in future, this will cause an error", and updates it twice in turn).
+                    raise ValueError(f"AdamW: param_groups[{gi}]['params'][{i}] is params[{j}] again: a parameter "
+                                     "may appear once")
         except (TypeError, ValueError):
             # a refused group must not stay in the optimizer (the next step() would run it)
             self.param_groups.pop()
