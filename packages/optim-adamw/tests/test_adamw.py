@@ -613,6 +613,10 @@ def test_a_parameter_listed_twice_is_refused():
         adamw_step_([p, p], [torch.ones(4), torch.ones(4)], [torch.zeros(4), torch.zeros(4)],
                     [torch.zeros(4), torch.zeros(4)], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.0)
+    empties = [torch.zeros(0), torch.zeros(0, 3)]  # (both may have address 0: not the same tensor)
+    adamw_step_(empties, [torch.zeros_like(e) for e in empties], [torch.zeros_like(e) for e in empties],
+                [torch.zeros_like(e) for e in empties], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0)
     q, r = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
     twice = r"\['params'\]\[2\] is params\[0\] again"
     with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match=twice):
