@@ -348,6 +348,7 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
     params = dict(model.named_parameters())
     assert patch_hf(model) == 3
     assert isinstance(model[1], RMSNorm) and model[1].eps == 1e-5 and model[1].offset == 0.0
+    assert model[1].variance_epsilon == 1e-5  # the name HF code reads
     assert isinstance(model[2][0], RMSNorm) and model[2][0].offset == 1.0
     assert isinstance(model[3], LayerNorm)
     assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects

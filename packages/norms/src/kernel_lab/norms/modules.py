@@ -80,6 +80,12 @@ class RMSNorm(nn.Module):
         `to_empty`) calls it, as for torch.nn.RMSNorm."""
         nn.init.constant_(self.weight, 1.0 - self.offset)
 
+    @property
+    def variance_epsilon(self) -> float:
+        """eps, under the name Hugging Face's RMSNorm modules give it: code that reads it from a
+        module `patch_hf` swapped (exporters, serving engines' weight loaders) still finds it."""
+        return self.eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=self.offset)
 
