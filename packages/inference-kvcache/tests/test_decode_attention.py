@@ -197,10 +197,13 @@ def _tensor_args(**over):
           "v_cache": torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn)}, ValueError, "k_scale is required"),
         ({"k_scale": torch.ones(2)}, ValueError, "apply to float8_e4m3fn caches only"),
         ({"num_splits": 0}, ValueError, "num_splits must be a positive int"),
+        # a bool is an int to isinstance: True reached the kernels as a 1-bit constant
+        ({"num_splits": True}, ValueError, "num_splits must be a positive int, got True"),
         # a NaN or infinite scale gave NaN outputs (zeros on the reference backend)
         *(({"scale": bad}, ValueError, "scale must be positive and finite")
           for bad in (float("nan"), float("inf"), 0.0, -0.125)),
         ({"scale": "0.1x"}, TypeError, "scale must be a float"),
+        ({"scale": True}, TypeError, "scale must be a float, got True"),  # ran as scale=1.0
         ({"max_len": 4.0}, ValueError, "max_len must be an int >= 0"),  # AttributeError from the split plan
         ({"max_len": -1}, ValueError, "max_len must be an int >= 0"),
     ],

@@ -10,4 +10,4 @@ from .modules import KVCache, PagedKVCache, decode_attention
 from .ops import flash_decode, kv_append
 
 __all__ = ["KVCache", "PagedKVCache", "decode_attention", "flash_decode", "kv_append"]
-__version__ = "0.1.13"
+__version__ = "0.1.14"

@@ -574,12 +574,18 @@ def decode_checked_cache(
         seq_ids = seq_ids.to(torch.int32).contiguous()  # read at unit stride
     elif bsz > c.rows:
         raise ValueError(f"q has {bsz} sequences but the cache has {c.rows} rows")
-    if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
+    # a bool is an int to isinstance: num_splits=True reached the kernels as a 1-bit constant
+    # (the interpreter raised "itemsize exceeds ... int1"), so bools are refused like max_len's
+    if num_splits is not None and (isinstance(num_splits, bool) or not (isinstance(num_splits, int)
+                                                                       and num_splits >= 1)):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if scale is None:
         scale = default_scale
     else:
-        # (a NaN or infinite scale gave NaN outputs, zeros on the reference backend)
+        # (a NaN or infinite scale gave NaN outputs, zeros on the reference backend; a bool,
+        # which float() takes, silently ran scale=1.0 or raised as 0.0)
+        if isinstance(scale, bool):
+            raise TypeError(f"scale must be a float, got {scale!r}")
         try:
             scale = float(scale)
         except (TypeError, ValueError):
