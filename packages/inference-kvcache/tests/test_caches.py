@@ -260,6 +260,7 @@ def test_paged_lifecycle_errors():
          ValueError),
         (lambda c: c.set_scales(0, torch.ones(1), torch.ones(1)), "float8_e4m3fn caches", ValueError),
         (lambda c: KVCache(1, 1, 0, 1, 8), "max_seq_len must be a positive int", ValueError),
+        (lambda c: KVCache(1, True, 4, 1, 8), "batch_size must be a positive int, got True", ValueError),
         (lambda c: KVCache(1, 1, 4, 1, 8, dtype=torch.int8), "dtype must be one of", TypeError),
     ],
 )

@@ -87,7 +87,8 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _check_positive(**kw: int) -> None:
     for name, v in kw.items():
-        if not isinstance(v, int) or v < 1:
+        # (a bool is an int to isinstance: KVCache(1, True, ...) built a cache of one row)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
