@@ -261,6 +261,19 @@ def test_patch_hf_replaces_a_shared_linear_once_under_every_name():
     assert isinstance(inner.q, QuantizedLinear) and inner.q is inner.k is model[0][0]
 
 
+def test_patch_hf_keeps_hooks_and_leaves_accelerate_wrapped_layers_alone():
+    """A forward hook registered on a replaced layer fires on its replacement (kernel_lab.shared.hf);
+    a layer whose forward accelerate wrapped (`_hf_hook`: device_map / offload) is not replaced."""
+    hooked, wrapped = nn.Linear(64, 32).to(torch.float16), nn.Linear(64, 32).to(torch.float16)
+    calls = []
+    hooked.register_forward_hook(lambda m, args, out: calls.append(m))
+    wrapped._hf_hook = object()
+    model = nn.ModuleList([hooked, wrapped])
+    assert patch_hf(model, bits=8, group_size=32) == 1
+    assert isinstance(model[0], QuantizedLinear) and model[1] is wrapped
+    assert model[0]._forward_hooks is hooked._forward_hooks and not calls
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("fuse_gate_up", [False, True])
 @pytest.mark.parametrize("bits", [None, 8])

@@ -154,6 +154,21 @@ def test_patch_hf_replaces_a_shared_mlp_once():
     assert isinstance(model[0][0], mlp.SwiGLUMLP) and model[0][0] is model[1][0]
 
 
+def test_patch_hf_keeps_hooks_and_leaves_accelerate_wrapped_mlps_alone(seed):
+    """A forward hook on a replaced MLP fires on its replacement (kernel_lab.shared.hf); an MLP
+    whose forward accelerate wrapped (`_hf_hook`: device_map / offload) is not replaced."""
+    hooked, wrapped = _ToyHFMLP(nn.SiLU()), _ToyHFMLP(nn.SiLU())
+    _init_(hooked, seed)
+    calls = []
+    hooked.register_forward_hook(lambda m, args, out: calls.append(m))
+    wrapped._hf_hook = object()
+    model = nn.ModuleList([hooked, wrapped])
+    assert mlp.patch_hf(model) == 1
+    assert isinstance(model[0], mlp.SwiGLUMLP) and model[1] is wrapped
+    model[0](randn(3, 16, seed=seed))
+    assert calls == [model[0]]
+
+
 def test_patch_hf_leaves_sparse_activation_mlps_alone():
     """Gemma 3n's MLP layers with activation_sparsity > 0 take a top-k of the gate first: not a
     plain gated MLP, left alone (the dense layers, sparsity 0, are swapped)."""

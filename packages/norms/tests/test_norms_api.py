@@ -358,6 +358,20 @@ def test_patch_hf_swaps_by_class_name_keeping_parameters(seed):
     assert patch_hf(model) == 0  # nothing left to swap
 
 
+def test_patch_hf_keeps_hooks_and_leaves_accelerate_wrapped_norms_alone(seed):
+    """A forward hook on a replaced norm fires on its replacement (kernel_lab.shared.hf); a norm
+    whose forward accelerate wrapped (`_hf_hook`: device_map / offload) is not replaced."""
+    hooked, wrapped = LlamaRMSNorm(24), nn.LayerNorm(24)
+    calls = []
+    hooked.register_forward_hook(lambda m, args, out: calls.append(m))
+    wrapped._hf_hook = object()
+    model = nn.ModuleList([hooked, wrapped])
+    assert patch_hf(model) == 1
+    assert isinstance(model[0], RMSNorm) and model[1] is wrapped
+    model[0](testing.randn(3, 24, seed=seed))
+    assert calls == [model[0]]
+
+
 def test_patch_hf_converts_numpy_scalar_eps(seed):
     """Norms built from a config that holds eps as np.float32 (nn.LayerNorm keeps it as given):
     swapped, with a Python float eps, and the same outputs."""

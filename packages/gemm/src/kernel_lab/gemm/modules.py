@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernel_lab.shared import hf
+
 from .ops import QuantizedWeight, matmul, quantize_weight, quantized_matmul, rms_norm_linear
 
 
@@ -194,7 +196,7 @@ def patch_hf(
                 slots.append((parent, name, id(child)))
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not nn.Linear or any(s in full for s in skip):
+            if type(child) is not nn.Linear or any(s in full for s in skip) or not hf.swappable(child):
                 continue
             if child.weight.dtype not in (torch.float16, torch.bfloat16):
                 continue
@@ -204,6 +206,7 @@ def patch_hf(
                 gs = group_size if group_size is not None and child.in_features % group_size == 0 else None
                 new = QuantizedLinear.from_linear(child, bits, gs)
             new.train(child.training)  # an eval-mode model stays in eval mode
+            hf.carry_hooks(child, new)
             replaced[id(child)] = new
             slots.append((parent, name, id(child)))
     for parent, name, key in slots:

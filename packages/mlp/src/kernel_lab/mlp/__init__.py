@@ -18,4 +18,4 @@ __all__ = [
     "silu_and_mul",
     "swiglu",
 ]
-__version__ = "0.1.15"
+__version__ = "0.1.16"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernel_lab.shared import reference
+from kernel_lab.shared import hf, reference
 
 from .ops import geglu, gelu_and_mul, silu_and_mul, swiglu
 
@@ -307,7 +307,7 @@ def patch_hf(model: nn.Module) -> int:
             if child is None or isinstance(child, GatedMLP):
                 continue
             if id(child) not in layouts:  # a shared module is examined (and probed) once
-                layouts[id(child)] = _gated_mlp_layout(child)
+                layouts[id(child)] = _gated_mlp_layout(child) if hf.swappable(child) else None
             if layouts[id(child)] is not None:
                 targets.append((parent, name, child, *layouts[id(child)]))
     replaced: dict[int, nn.Module] = {}  # a module shared by several parents: one replacement
@@ -320,6 +320,7 @@ def patch_hf(model: nn.Module) -> int:
             else:
                 new = cls.from_packed_projections(*projections, **kw)
             new.train(parent.training)
+            hf.carry_hooks(child, new)
             replaced[id(child)] = new
         setattr(parent, name, new)
     return len(replaced)

@@ -7,6 +7,8 @@ import operator
 import torch
 from torch import nn
 
+from kernel_lab.shared import hf
+
 from .ops import check_eps_offset, layer_norm, rms_norm
 
 # Hugging Face RMSNorm classes `patch_hf` replaces, by class name, with their weight offset:
@@ -180,9 +182,11 @@ def patch_hf(model: nn.Module) -> int:
             if child is None:
                 continue
             if id(child) not in replaced:
-                replaced[id(child)] = _replacement(child)
-                if replaced[id(child)] is not None:
-                    replaced[id(child)].train(child.training)  # an eval-mode model stays in eval mode
+                new = _replacement(child) if hf.swappable(child) else None
+                if new is not None:
+                    new.train(child.training)  # an eval-mode model stays in eval mode
+                    hf.carry_hooks(child, new)
+                replaced[id(child)] = new
             if replaced[id(child)] is not None:
                 swaps.append((parent, child_name, replaced[id(child)]))
     for parent, child_name, new in swaps:
