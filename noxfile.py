@@ -196,6 +196,10 @@ def bench(session: nox.Session) -> None:
         "--benchmark-timer", "kernel_lab.shared.bench.cuda_timer",
         f"--benchmark-storage=file://{storage}", f"--benchmark-save={save_name}",
         "--benchmark-columns=median,iqr,rounds", "--benchmark-sort=name",
+        # no garbage collection inside a timed round: a collection lands on whichever call
+        # triggers it, and the rows bound by host work (eager backward, small decodes) would
+        # carry it as noise
+        "--benchmark-disable-gc",
         *session.posargs, env={"TRITON_INTERPRET": "0"},
     )
 
