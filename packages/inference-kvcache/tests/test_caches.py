@@ -319,3 +319,77 @@ def test_reference_backend_append_and_decode(kvh, monkeypatch, seed, cache_kind)
         out = decode_attention(q, cache, 0)
         kvh.check_decode_dense(out, q, k, v, torch.tensor(lengths), name=f"reference-backend decode {dtype}",
                                **scales)
+
+
+@pytest.mark.interpret
+def test_kv_append_of_views_of_the_cache_matches_the_append_of_copies(kernel_device, seed):
+    # k_new / v_new read from the cache's own storage, where the append writes: row r's tokens
+    # 0..3 appended at 1..4 (token t lands on where t + 1 is read from), and across rows with
+    # seq_ids [1, 0] (entry 0 writes row 1 while entry 1 reads it). Each program read its source
+    # token after an earlier one had overwritten it (in order under the interpreter, a race on a
+    # GPU): 3.5 off the append of copies. Swapped caches (k_new in v_cache) too.
+    caches = randn(2, 2, 8, 2, 16, dtype=torch.float16, seed=seed, device=kernel_device)
+    lengths = torch.tensor([1, 1], dtype=torch.int32, device=kernel_device)
+    cases = [
+        lambda kc, vc: (kc[:, 0:4], vc[:, 0:4], {}),
+        lambda kc, vc: (kc[:, 0:4], vc[:, 0:4], {"seq_ids": torch.tensor([1, 0], dtype=torch.int32,
+                                                                           device=kernel_device)}),
+        lambda kc, vc: (vc[:, 0:4], kc[:, 2:6], {}),
+    ]
+    for i, make in enumerate(cases):
+        kc, vc = caches.clone().unbind(0)
+        expected_k, expected_v = kc.clone(), vc.clone()
+        k_new, v_new, kw = make(kc, vc)
+        kv_append(k_new.clone(), v_new.clone(), expected_k, expected_v, lengths, **kw)
+        kv_append(k_new, v_new, kc, vc, lengths, **kw)
+        assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v), f"case {i}"
+
+
+@pytest.mark.interpret
+def test_cache_append_of_its_own_tokens_matches_the_append_of_copies(kvh, kernel_device, seed, cache_kind):
+    # A sequence of 6 tokens re-appends its slots 4..7 at 6..9: slots 6, 7 (not yet written, NaN)
+    # are both read and written. The paged view is the sequence's block 1 (slots 4..7).
+    caches = [kvh.make_cache(cache_kind, batch=1, max_len=12, h_kv=2, d=16, dtype=torch.float16,
+                             device=kernel_device, block_size=4) for _ in range(2)]
+    for cache in caches:
+        kvh.fill(cache, 0, [6], dtype=torch.float16, seed=seed, prefill=6)
+    if cache_kind == "paged":
+        views = [(c.k[0][c.owned_blocks(0)[1]][None], c.v[0][c.owned_blocks(0)[1]][None]) for c in caches]
+    else:
+        views = [(c.k[0][:, 4:8], c.v[0][:, 4:8]) for c in caches]
+    caches[0].append(0, views[0][0].clone(), views[0][1].clone())
+    caches[1].append(0, *views[1])
+    for got, want in zip(kvh.dense_view(caches[1], 0, [0]), kvh.dense_view(caches[0], 0, [0]), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_reference_backend_append_of_a_view_of_the_cache(monkeypatch, seed):
+    # torch's index_put refused the overlapping write (RuntimeError "... refer to a single memory
+    # location"): the append now reads copies, as the kernels do.
+    monkeypatch.setattr(kv_ops.runtime, "backend", lambda x: "reference")
+    kc, vc = randn(2, 2, 8, 2, 8, seed=seed).unbind(0)
+    expected_k, expected_v = kc.clone(), vc.clone()
+    lengths = torch.tensor([1, 1], dtype=torch.int32)
+    kv_append(kc[:, 0:4].clone(), vc[:, 0:4].clone(), expected_k, expected_v, lengths)
+    kv_append(kc[:, 0:4], vc[:, 0:4], kc, vc, lengths)
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+
+
+@pytest.mark.interpret
+def test_kv_append_refuses_one_cache_for_both_and_caches_with_shared_rows(kernel_device, seed):
+    new = randn(2, 1, 2, 8, seed=seed, device=kernel_device)
+    lengths = torch.zeros(2, dtype=torch.int32, device=kernel_device)
+    kc = torch.zeros(2, 4, 2, 8, device=kernel_device)
+    # every key was overwritten by its value
+    with pytest.raises(ValueError, match="k_cache and v_cache must be different tensors"):
+        kv_append(new, new + 1, kc, kc, lengths)
+    # rows of an expanded cache are one memory: row 0 kept row 1's token
+    def shared_rows():
+        return torch.zeros(1, 4, 2, 8, device=kernel_device).expand(2, 4, 2, 8)
+
+    with pytest.raises(ValueError, match="k_cache has elements that share memory"):
+        kv_append(new, new, shared_rows(), shared_rows(), lengths)
+    # legit: K and V interleaved in one packed buffer (B, T, 2, H, D) are disjoint views
+    packed = torch.zeros(2, 4, 2, 2, 8, device=kernel_device)
+    kv_append(new, new + 1, packed[:, :, 0], packed[:, :, 1], lengths)
+    assert torch.equal(packed[:, 0, 0], new[:, 0]) and torch.equal(packed[:, 0, 1], new[:, 0] + 1)

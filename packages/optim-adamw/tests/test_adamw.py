@@ -856,3 +856,104 @@ def test_a_param_whose_data_was_replaced_with_the_same_grad_object_raises(kernel
     with pytest.raises(ValueError, match=match):
         opt.step()
     assert float(opt.state[p]["step"]) == 1.0 and not buffer.any()
+
+
+_STEP_HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _aliased_calls(device, seed):
+    """(name, params, grads, exp_avgs, exp_avg_sqs, extra kwargs) of adamw_step_ calls whose
+    tensors share memory in a way the kernel cannot update as it would copies."""
+    def rand(n, i):
+        return testing.randn(n, device=device, seed=seed + i)
+
+    def zeros(n):
+        return torch.zeros(n, device=device)
+
+    buf = rand(1000, 0)
+    m = rand(700, 1).abs() * 0.1
+    p0, p1 = rand(700, 2), rand(700, 3)
+    low = rand(700, 4).bfloat16()
+    return [
+        # the exp_avg was lost (the shared memory kept exp_avg_sq): 0.33 off the call on copies
+        ("exp_avg is exp_avg_sq", [rand(700, 5)], [rand(700, 6)], [m], [m], {}),
+        ("max_exp_avg_sq is exp_avg_sq", [rand(700, 5)], [rand(700, 6)], [zeros(700)], [m],
+         {"amsgrad": True, "max_exp_avg_sqs": [m]}),
+        # overlapping views: elements 400..599 updated twice in turn (interpreter), a race on a GPU
+        ("overlapping params", [buf[0:600], buf[400:1000]], [rand(600, 7), rand(600, 8)], [zeros(600), zeros(600)],
+         [zeros(600), zeros(600)], {}),
+        # p1's grad was read after p0's update had written it: 0.02 off the call on copies
+        ("grads[1] is params[0]", [p0, p1], [rand(700, 9), p0], [zeros(700), zeros(700)],
+         [zeros(700), zeros(700)], {}),
+        ("a grad shifted over its param", [buf[0:600]], [buf[1:601]], [zeros(600)], [zeros(600)], {}),
+        # the master copy of a bfloat16 param in its exp_avg: 3.1 off
+        ("master_param is exp_avg", [low], [rand(700, 10).bfloat16()], [m], [zeros(700)], {"master_params": [m]}),
+    ]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_adamw_step_refuses_tensors_sharing_memory_it_would_update_wrongly(kernel_device, seed, monkeypatch,
+                                                                          backend):
+    if backend == "reference":
+        monkeypatch.setattr(runtime, "uses_triton", lambda x: False)
+    for name, params, grads, exp_avgs, exp_avg_sqs, extra in _aliased_calls(kernel_device, seed):
+        everything = [*params, *grads, *exp_avgs, *exp_avg_sqs, *extra.get("max_exp_avg_sqs", []),
+                      *extra.get("master_params", [])]
+        before = [x.clone() for x in everything]
+        with pytest.raises(ValueError, match="of one launch share memory"):
+            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, step=3, **_STEP_HP, **extra)
+        assert all(torch.equal(x, y) for x, y in zip(everything, before, strict=True)), f"{name}: written"
+
+
+@pytest.mark.interpret
+def test_adamw_step_with_tensors_shared_within_a_param_matches_copies(kernel_device, seed):
+    """p.grad = p, a grad that is its own exp_avg, a float32 master copy that is its param, one
+    grad tensor for two params, params that are disjoint views of one buffer (one of them its own
+    grad): each element is read before it is written, so the update is that of copies."""
+    def rand(n, i):
+        return testing.randn(n, device=kernel_device, seed=seed + i)
+
+    p, q, g, buf = rand(700, 0), rand(700, 1), rand(700, 2), rand(1000, 3)
+    m, v = rand(700, 4) * 0.1, rand(700, 5).abs() * 0.01
+    cases = [  # name, params, grads, exp_avgs, exp_avg_sqs, master copies are the params
+        ("p.grad is p", [p], [p], [m.clone()], [v.clone()], False),
+        ("grad is its exp_avg", [q], [m], [m], [v.clone()], False),
+        ("master_param is its float32 param", [rand(700, 6)], [g], [m.clone()], [v.clone()], True),
+        ("one grad for two params", [rand(700, 7), rand(700, 8)], [g, g], [m.clone(), m.clone()],
+         [v.clone(), v.clone()], False),
+        ("disjoint views of one buffer", [buf[:600], buf[600:]], [buf[:600], g[:400]],
+         [m[:600].clone(), m[:400].clone()], [v[:600].clone(), v[:400].clone()], False),
+    ]
+    for name, params, grads, exp_avgs, exp_avg_sqs, masters in cases:
+        copies = [[x.clone() for x in seq] for seq in (params, grads, exp_avgs, exp_avg_sqs)]
+        adamw_step_(*copies, step=3, **_STEP_HP, master_params=[x.clone() for x in params] if masters else None)
+        adamw_step_(params, grads, exp_avgs, exp_avg_sqs, step=3, **_STEP_HP,
+                    master_params=params if masters else None)
+        for got, want in zip((params, exp_avgs, exp_avg_sqs), (copies[0], copies[2], copies[3]), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), name
+
+
+@pytest.mark.interpret
+def test_adamw_p_grad_is_p_matches_torch_on_copies_and_overlapping_params_raise(kernel_device, seed):
+    ours = _params([(37, 11)], torch.float32, kernel_device, seed)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamW(ours, weight_decay=0.1, **HP)
+    topt = torch.optim.AdamW(theirs, weight_decay=0.1, foreach=False, **HP)
+    for _ in range(3):
+        ours[0].grad = ours[0].detach()  # the grad is the param's own memory
+        theirs[0].grad = theirs[0].detach().clone()
+        opt.step()
+        topt.step()
+    _assert_matches_torch(ours, theirs, opt, topt, "p.grad = p")
+    # Overlapping views of one buffer: torch.optim.AdamW updates the shared elements twice in turn;
+    # one launch would race on them. Refused at the step, before anything is written.
+    buf = testing.randn(1000, device=kernel_device, seed=seed)
+    views = [torch.nn.Parameter(buf[0:600]), torch.nn.Parameter(buf[400:1000])]
+    opt = AdamW(views, **HP)
+    for i, view in enumerate(views):
+        view.grad = testing.randn(600, device=kernel_device, seed=seed + 1 + i)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="the param of tensor 0 and the param of tensor 1 of one launch share memory"):
+        opt.step()
+    assert torch.equal(buf, before)

@@ -254,6 +254,20 @@ def kv_append(
     if seq_ids is None and k_new.shape[0] > _rows_of(k_cache, block_table):
         raise ValueError(f"k_new has {k_new.shape[0]} sequences but the cache has {_rows_of(k_cache, block_table)} "
                          "rows")
+    # (fake tensors under tracing have no memory to compare; the cache classes, which pass
+    # check_indices=False, allocate their own caches: never one tensor for both, never expanded)
+    if check_indices and not torch.compiler.is_compiling():
+        # One tensor as both caches: every key would be overwritten by its value, silently (decode
+        # then reads V as K). Interleaved halves of one packed buffer start apart and pass.
+        if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+            raise ValueError("k_cache and v_cache must be different tensors (they start at one address: every "
+                             "key would be overwritten by its value)")
+        # A cache whose rows share memory (an expanded view) keeps only the last row written there,
+        # for every row; torch's in-place ops refuse it the same way (1: overlap for sure).
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(f"{name} has elements that share memory (e.g. an expanded view): an append to "
+                                 "one row would overwrite the others")
     if check_indices:
         _check_index_values(k_cache, lengths, block_table, seq_ids, k_new.shape[0], t_new=k_new.shape[1],
                             counts=counts)
@@ -263,6 +277,36 @@ def kv_append(
         )
     else:
         kv_append_fwd(k_new, v_new, k_cache, v_cache, lengths, seq_ids, counts, block_table, k_scale, v_scale)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses of a tensor's elements (torch strides are >= 0)."""
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+def _detach_from_caches(k_new, v_new, k_cache, v_cache):
+    """k_new / v_new, cloned where they share memory with a cache (both non-empty).
+
+    An append of a view of the cache's own storage (re-appending cached tokens, a prefix copied
+    between rows) is legit, but the kernel's programs read k_new / v_new while others write the
+    cache: a source token at a position that another token lands on was read after it was
+    overwritten (the interpreter, programs in order) or raced with the write (a GPU), and the
+    reference backend's index_put refused it. Cloning first reads every source before any write,
+    as an append of the values the views held at the call. Usually a storage comparison (a fraction
+    of a microsecond each); the spans are compared only for a tensor in a cache's storage."""
+    caches = [(c.untyped_storage().data_ptr(), c) for c in (k_cache, v_cache)]
+    out = []
+    for t in (k_new, v_new):
+        store = t.untyped_storage().data_ptr()
+        for cache_store, c in caches:
+            if store == cache_store:
+                (ts, te), (cs, ce) = _span(t), _span(c)
+                if ts < ce and cs < te:
+                    t = t.clone()
+                    break
+        out.append(t)
+    return out
 
 
 @runtime.on_tensors_device
@@ -284,6 +328,7 @@ def kv_append_fwd(
     bsz, t_new, h_kv, d = k_new.shape
     if bsz * t_new == 0:
         return
+    k_new, v_new = _detach_from_caches(k_new, v_new, k_cache, v_cache)
     # the kernel reads these at unit stride (block-table rows at unit column stride)
     lengths, seq_ids, counts, block_table, k_scale, v_scale = (
         None if t is None else t.contiguous() for t in (lengths, seq_ids, counts, block_table, k_scale, v_scale))

@@ -161,21 +161,12 @@ def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
     (absent rows hold 0); and whether every address the kernel walks (all but the step
     counters) and the table are multiples of 16 bytes, for its 16-byte vector accesses."""
     t = len(b.params)
-    rows: list[tuple[int, ...] | None] = [None] * NUM_ROWS
-    rows[ROW_PARAM] = tuple(x.data_ptr() for x in b.params)
-    rows[ROW_GRAD] = tuple(x.data_ptr() for x in b.grads)
-    rows[ROW_EXP_AVG] = tuple(x.data_ptr() for x in b.exp_avgs)
-    rows[ROW_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.exp_avg_sqs)
-    if b.max_exp_avg_sqs is not None:
-        rows[ROW_MAX_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.max_exp_avg_sqs)
-    if b.master_params is not None:
-        rows[ROW_MASTER] = tuple(x.data_ptr() for x in b.master_params)
-    if b.steps is not None:
-        rows[ROW_STEP] = tuple(x.data_ptr() for x in b.steps)
+    rows = _rows(b)
     key = (device, *rows)
 
     def build():
         _check_walk(b)
+        _check_overlaps(b, rows)
         table = torch.empty((NUM_ROWS, t), dtype=torch.int64, device=device)
         host = np.zeros((NUM_ROWS, t), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -187,6 +178,22 @@ def _ptr_table(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, bool]:
         return _to_device(host, device, table), aligned
 
     return _cached(_PTR_CACHE, key, build)
+
+
+def _rows(b: _Bucket) -> list[tuple[int, ...] | None]:
+    """The addresses of a bucket's tensors by pointer-table row (None: a row it has not)."""
+    rows: list[tuple[int, ...] | None] = [None] * NUM_ROWS
+    rows[ROW_PARAM] = tuple(x.data_ptr() for x in b.params)
+    rows[ROW_GRAD] = tuple(x.data_ptr() for x in b.grads)
+    rows[ROW_EXP_AVG] = tuple(x.data_ptr() for x in b.exp_avgs)
+    rows[ROW_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.exp_avg_sqs)
+    if b.max_exp_avg_sqs is not None:
+        rows[ROW_MAX_EXP_AVG_SQ] = tuple(x.data_ptr() for x in b.max_exp_avg_sqs)
+    if b.master_params is not None:
+        rows[ROW_MASTER] = tuple(x.data_ptr() for x in b.master_params)
+    if b.steps is not None:
+        rows[ROW_STEP] = tuple(x.data_ptr() for x in b.steps)
+    return rows
 
 
 class TensorsChangedError(ValueError):
@@ -220,6 +227,70 @@ def _check_walk(b: _Bucket) -> None:
                 raise TensorsChangedError(
                     f"adamw: a parameter of shape {tuple(shape)} (strides {stride}) and its {label} of shape "
                     f"{tuple(x.shape)} (strides {x.stride()}) no longer match: was a tensor's .data replaced?")
+
+
+# (plain ints: the kernel's row constants are tl.constexpr, which neither hash nor compare as ints)
+_PARAM, _GRAD, _MASTER, _STEP = int(ROW_PARAM), int(ROW_GRAD), int(ROW_MASTER), int(ROW_STEP)
+_ROW_LABELS = {_PARAM: "param", _GRAD: "grad", int(ROW_EXP_AVG): "exp_avg", int(ROW_EXP_AVG_SQ): "exp_avg_sq",
+               int(ROW_MAX_EXP_AVG_SQ): "max_exp_avg_sq", _MASTER: "master_param", _STEP: "step"}
+
+
+def _check_overlaps(b: _Bucket, rows: list[tuple[int, ...] | None]) -> None:
+    """ValueError where tensors of one launch share memory in a way that the kernel cannot update
+    as it would separate copies of them. rows: their addresses, by pointer-table row.
+
+    Each element is read and written by one thread of one program, reads first, and the programs
+    run at once:
+    - two written tensors that overlap (params that are overlapping views of one buffer, an
+      exp_avg that is the exp_avg_sq, a master copy that is a moment) keep one of the two values
+      written there, or race on a GPU (the interpreter, a program at a time, updated them in
+      turn): refused; but for a master copy that is exactly its own param (both get one value);
+    - a grad overlapping a tensor written for another param (p1.grad = p0), or one of its own
+      param's at another offset or of another dtype, was read after another element's update
+      had written there (in program order under the interpreter; a race on a GPU): refused. A
+      grad that is exactly a tensor of its own param (p.grad = p; a grad that is its exp_avg) is
+      read before it is written, as a copy would be: allowed, as are grads overlapping each
+      other (only read).
+    The tensors are dense (the callers check it): each spans [address, address + nbytes), and
+    each row of a bucket has one dtype. Run where a pointer table is built (an address changed:
+    no cost per cached step): one sort of the spans in numpy; a pairwise sweep only when two of
+    them overlap.
+    """
+    numel = np.fromiter((p.numel() for p in b.params), dtype=np.int64, count=len(b.params))
+    tensors = {_PARAM: b.params, _GRAD: b.grads, int(ROW_EXP_AVG): b.exp_avgs, int(ROW_EXP_AVG_SQ): b.exp_avg_sqs,
+               int(ROW_MAX_EXP_AVG_SQ): b.max_exp_avg_sqs, _MASTER: b.master_params, _STEP: b.steps}
+    starts, sizes, kinds = [], [], []
+    for r, row in enumerate(rows):
+        if row is None:
+            continue
+        starts.append(np.asarray(row, dtype=np.int64))
+        # (a step count is one float32, whatever its param's size)
+        sizes.append(tensors[r][0].element_size() * (numel if r != _STEP else np.ones_like(numel)))
+        kinds.append(np.full(len(row), r))
+    start, size, kind = np.concatenate(starts), np.concatenate(sizes), np.concatenate(kinds)
+    index = np.tile(np.arange(len(b.params)), len(starts))
+    keep = size > 0  # empty tensors touch no memory (and may all sit at one address)
+    start, end, kind, index = start[keep], start[keep] + size[keep], kind[keep], index[keep]
+    order = np.argsort(start, kind="stable")
+    start, end, kind, index = start[order], end[order], kind[order], index[order]
+    if len(start) < 2 or not (np.maximum.accumulate(end)[:-1] > start[1:]).any():
+        return  # no two spans overlap: the usual case
+    active: list[int] = []
+    start, end, kind, index = start.tolist(), end.tolist(), kind.tolist(), index.tolist()
+    for j in range(len(start)):
+        active = [a for a in active if end[a] > start[j]]
+        for a in active:
+            if kind[a] == _GRAD and kind[j] == _GRAD:
+                continue
+            exact = index[a] == index[j] and start[a] == start[j] and end[a] == end[j]
+            if exact and (_GRAD in (kind[a], kind[j]) or {kind[a], kind[j]} == {_PARAM, _MASTER}):
+                continue
+            raise ValueError(
+                f"adamw: the {_ROW_LABELS[kind[a]]} of tensor {index[a]} and the {_ROW_LABELS[kind[j]]} of tensor "
+                f"{index[j]} of one launch share memory: the update would not be that of separate tensors (params "
+                "and their states must not overlap; a grad may share memory only with exactly a tensor of its own "
+                "param)")
+        active.append(j)
 
 
 def gpu_chunk(state_dtype: torch.dtype) -> int:
@@ -312,6 +383,9 @@ def adamw_step_launch(
     if not params:
         return
     if not runtime.uses_triton(params[0]):
+        # (the launches' check, made by _ptr_table: here on every call, this is the slow path)
+        for b in _buckets(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps):
+            _check_overlaps(b, _rows(b))
         if steps is not None:
             torch._foreach_add_(list(steps), 1.0)
         masters = None if master_params is None else list(master_params)
