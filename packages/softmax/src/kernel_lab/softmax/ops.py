@@ -60,6 +60,12 @@ BWD_MAX_FUSED_COLS = 8192
 # A backward tile of 8192 (H100, same method, later): 0.6-0.8% faster on 2**27 bf16 elements
 # at 512-4096 columns (131072 x 1024: 264.2 against 265.8 us), but 11-14% slower on small or
 # ragged inputs (1024 x 1024, 256 x 4096, 32768 x 1000: fewer, larger programs): kept at 2048.
+# (Tried and dropped, H100, scratch, 2026-11-27: a persistent rows forward, a grid of 4-16
+# programs per SM striding over row tiles with `tl.range(num_stages=1..3)` prefetching the next
+# tile, 1-2 rows a tile over 4-16 warps: 3-10% slower than this kernel at every shape tried
+# (131072 x 1024 bf16 / fp16, 65536 x 2048, 32768 x 4096, 16384 x 8192, 131072 x 1000), seven
+# rounds of back-to-back launches alternated in one process. Same run: one row a program beat
+# this tile by 1.0% at 131072 x 1024 (180.8 against 182.7 us) and lost by 1.6% at 131072 x 1000.)
 FWD_ROWS_TILE = 2048
 BWD_ROWS_TILE = 2048
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
