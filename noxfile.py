@@ -166,7 +166,8 @@ def _gpu_timeout(session: nox.Session) -> list[str]:
         return []
     if not _has_module(session, "pytest_timeout"):
         return []
-    return [f"--timeout={GPU_TEST_TIMEOUT_S}", "--timeout-method=thread"]
+    # (the method as an ini override: pytest-timeout 1.x and 2.x both read `timeout_method`)
+    return [f"--timeout={GPU_TEST_TIMEOUT_S}", "-o", "timeout_method=thread"]
 
 
 @nox.session(venv_params=["--system-site-packages"])
