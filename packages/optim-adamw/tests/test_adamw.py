@@ -606,10 +606,11 @@ def test_adamw_step_rejects_one_step_tensor_for_two_params():
 
 
 def test_a_parameter_listed_twice_is_refused():
-    """One launch would update it twice at once (a race on a GPU): refused by adamw_step_ and by
-    AdamW, whose refused group is not kept (torch.optim.AdamW warns and updates it twice)."""
+    """One launch would update it twice at once (a race on a GPU): refused by adamw_step_ (its
+    launcher's memory-sharing check) and by AdamW, whose refused group is not kept
+    (torch.optim.AdamW warns and updates it twice)."""
     p = torch.zeros(4)
-    with pytest.raises(ValueError, match="params must be distinct tensors"):
+    with pytest.raises(ValueError, match="the param of tensor 0 and the param of tensor 1 of one launch share"):
         adamw_step_([p, p], [torch.ones(4), torch.ones(4)], [torch.zeros(4), torch.zeros(4)],
                     [torch.zeros(4), torch.zeros(4)], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.0)
@@ -927,11 +928,18 @@ def test_adamw_step_with_tensors_shared_within_a_param_matches_copies(kernel_dev
     ]
     for name, params, grads, exp_avgs, exp_avg_sqs, masters in cases:
         copies = [[x.clone() for x in seq] for seq in (params, grads, exp_avgs, exp_avg_sqs)]
+        # the float64 reference of the update on the values the tensors hold before the call
+        expected = [reference.adamw_step(*t, step=3, **_STEP_HP) for t in zip(*copies, strict=True)]
         adamw_step_(*copies, step=3, **_STEP_HP, master_params=[x.clone() for x in params] if masters else None)
         adamw_step_(params, grads, exp_avgs, exp_avg_sqs, step=3, **_STEP_HP,
                     master_params=params if masters else None)
+        # bit for bit the update of the copies, and that update the reference's
         for got, want in zip((params, exp_avgs, exp_avg_sqs), (copies[0], copies[2], copies[3]), strict=True):
             assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), name
+        for i, (rp, rm, rv, _) in enumerate(expected):
+            testing.assert_close_to_reference(exp_avgs[i], rm, name=f"{name}: m[{i}]")
+            testing.assert_close_to_reference(exp_avg_sqs[i], rv, name=f"{name}: v[{i}]")
+            testing.assert_close_to_reference(params[i], rp, rp.to(params[i].dtype), factor=1.0, name=f"{name}: p[{i}]")
 
 
 @pytest.mark.interpret

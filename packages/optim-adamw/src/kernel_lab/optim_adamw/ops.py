@@ -699,12 +699,6 @@ def adamw_step_(
                 raise ValueError(f"{name}: step[{i}] must be a 1-element float32 tensor on {device}")
     if steps is not None and not torch.compiler.is_compiling():  # (compiled: the op checks, see _adamw_step_op)
         check_distinct_steps(steps, name)
-    if not torch.compiler.is_compiling():
-        # a parameter listed twice would be updated twice at once by one launch: a race on the GPU
-        # (empty tensors left out: they may all have address 0, and no launch touches them)
-        starts = [p.data_ptr() for p in params if p.numel()]
-        if len(set(starts)) != len(starts):
-            raise ValueError(f"{name}: params must be distinct tensors (one starts where another does)")
     if isinstance(lr, torch.Tensor) and n and lr.device != device and lr.device.type != "cpu":
         raise ValueError(f"{name}: lr is on {lr.device}, params on {device}")
     lr_value, lr_tensor = _split_lr(lr, device)
