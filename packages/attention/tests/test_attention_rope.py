@@ -167,9 +167,12 @@ def test_rope_inplace_refuses_q_and_k_sharing_memory():
             apply_rope(q, k, cos, sin, inplace=True)
     # disjoint views of one buffer (q and k of a packed projection) stay allowed
     qk = testing.randn(1, 6, 8, 16, dtype=torch.float16, seed=2)
+    before = qk.clone()
     expected = apply_rope(qk[:, :, :4], qk[:, :, 4:], cos, sin, layout="bshd")
     apply_rope(qk[:, :, :4], qk[:, :, 4:], cos, sin, layout="bshd", inplace=True)
     assert torch.equal(qk[:, :, :4], expected[0]) and torch.equal(qk[:, :, 4:], expected[1])
+    for heads in (slice(0, 4), slice(4, 8)):  # and both against the float64 reference ((B, H, T, D) views)
+        assert_rope_matches_reference(before[:, :, heads].transpose(1, 2), qk[:, :, heads].transpose(1, 2), cos, sin)
 
 
 def test_rope_inplace_compiles_fullgraph(monkeypatch):

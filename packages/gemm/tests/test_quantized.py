@@ -272,6 +272,8 @@ def test_patch_hf_keeps_hooks_and_leaves_accelerate_wrapped_layers_alone():
     assert patch_hf(model, bits=8, group_size=32) == 1
     assert isinstance(model[0], QuantizedLinear) and model[1] is wrapped
     assert model[0]._forward_hooks is hooked._forward_hooks and not calls
+    model[0](testing.randn(3, 64, dtype=torch.float16, seed=0))
+    assert calls == [model[0]]
 
 
 @pytest.mark.interpret
@@ -469,6 +471,8 @@ def test_linear_takes_a_vector_as_nn_linear_does(kernel_device, seed):
     out = Linear.from_linear(lin)(x)
     assert out.shape == (24,)
     torch.testing.assert_close(out, Linear.from_linear(lin)(x[None])[0], rtol=0, atol=0)
+    # and the float64 reference, the budget set by nn.Linear in float16 (what it replaces)
+    testing.assert_close_to_reference(out, reference.matmul(x[None], lin.weight.t(), lin.bias)[0], lin(x))
 
 
 def test_patch_hf_keeps_eval_mode():
