@@ -93,12 +93,35 @@ def test_softmax_forward_few_long_rows(benchmark, impl, n_rows, n_cols):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("n_cols", [1024, 8192, 131072])
+@pytest.mark.parametrize("n_cols", COLS)
 def test_softmax_backward(benchmark, impl, n_cols):
-    dtype = torch.bfloat16
     n_rows = ELEMENTS // n_cols
     benchmark.group = f"softmax-bwd bfloat16 {n_rows}x{n_cols}"
-    x = (torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 4).requires_grad_(True)
+    _time_backward(benchmark, impl, n_rows, n_cols)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("n_rows, n_cols", [(131072, 1000), (4096, 50264), (4096, 50257)])
+def test_softmax_ragged_rows(benchmark, impl, direction, n_rows, n_cols):
+    """Row lengths that are not multiples of 16: 1000 and 50264 (8 mod 16: 16-byte vectors of
+    bf16 still fit, kernel_lab.shared.vector_hints), 50257 (GPT-2's vocabulary: odd, no row but
+    the first is 16-byte aligned)."""
+    benchmark.group = f"softmax-{direction} bfloat16 {n_rows}x{n_cols} (ragged)"
+    if direction == "bwd":
+        _time_backward(benchmark, impl, n_rows, n_cols)
+        return
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) * 4
+    fn = _impl(impl)
+    y = _first_call(impl, fn, x)
+    bench.run_cuda(benchmark, lambda: fn(x))
+    bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=bench.bytes_of(x, y),
+                   max_error=_max_error(y, x))
+
+
+def _time_backward(benchmark, impl: str, n_rows: int, n_cols: int) -> None:
+    """Time torch.autograd.grad of impl's softmax of a bf16 (n_rows, n_cols) input."""
+    x = (torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) * 4).requires_grad_(True)
     dy = torch.randn_like(x)
     y = _first_call(impl, _impl(impl), x)
     bench.run_cuda(benchmark, lambda: torch.autograd.grad(y, x, dy, retain_graph=True))

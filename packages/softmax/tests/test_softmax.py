@@ -11,6 +11,7 @@ import torch
 
 import kernel_lab.softmax.ops as ops
 from kernel_lab.shared import reference, testing
+from kernel_lab.shared.vector_hints import vector_alignment
 from kernel_lab.softmax import LogSoftmax, Softmax, log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -254,6 +255,30 @@ def test_strided_rows_are_read_in_place(op_name, kernel_device, seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize(
+    "n_cols, row_stride, offset, align",
+    [(1000, 1008, 0, 8), (1004, 1008, 0, 4), (1002, 1008, 0, 2), (1001, 1001, 0, 1), (1000, 1008, 1, 8)],
+    ids=["align8", "align4", "align2", "align1", "align8-misaligned-pointer"],
+)
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_every_vector_alignment(op_name, n_cols, row_stride, offset, align, long_rows, small_blocks, kernel_device,
+                                seed):
+    """The kernels tell the compiler which power of two divides the row length, strides and
+    chunks (kernel_lab.shared.vector_hints): bf16 rows in each class, one a view whose first
+    element is 2 bytes past a 16-byte boundary (strides aligned, the pointer not), padded with
+    NaN; the rows kernels, then (long_rows) the long-row paths with 32-column chunks."""
+    if long_rows:
+        small_blocks(64, 32)
+    base = torch.full((5, row_stride), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    x = base[:, offset:offset + n_cols]
+    x.copy_(testing.randn(5, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=3.0))
+    assert vector_alignment(x.element_size(), n_cols, x.stride(0)) == align
+    assert ops._as_rows(x, 1).data_ptr() == x.data_ptr()  # read in place, not copied
+    check_forward_and_backward(op_name, x, seed=seed)
+
+
+@pytest.mark.interpret
 def test_transposed_input_matches_reference(kernel_device, seed):
     x = testing.transposed_copy(testing.randn(33, 20, device=kernel_device, seed=seed))
     check_forward_and_backward("softmax", x, seed=seed)
@@ -378,6 +403,24 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("n_cols, dtype", [(12289, torch.bfloat16), (32768, torch.float16), (50264, torch.bfloat16)])
+def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
+    """Many rows whose y and dy fit ops.BWD_L2_LOOP_ROW_BYTES: the backward's looped kernel with
+    its L2 hints, in short steps (12289: a 1-column masked tail) and long ones; rows past the
+    limit stay cooperative."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
+    plan = ops._plan(n_rows, n_cols, ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, torch.device("cuda"),
+                     ops.BWD_LOOP_BLOCK_N, ops.BWD_COOP_CHUNK, ops.BWD_COOP_NUM_WARPS,
+                     ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize))
+    assert plan.kind == "looped" and plan.keep_in_l2
+    assert ops._bwd_l2_loop(65536, 2 * torch.bfloat16.itemsize) is None  # 256 KB of y and dy a row
+    x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
+    check_forward_and_backward(op_name, x, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize("n_cols, dtype", [(20001, torch.bfloat16), (32768, torch.float16)])
 def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
     """Many rows of at most ops.L2_LOOP_ROW_BYTES: one program a row reads it twice, the second
@@ -387,7 +430,7 @@ def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dt
 
     def plan(rows):
         return ops._plan(rows, n_cols, ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, torch.device("cuda"),
-                         ops.LOOP_BLOCK_N, ops.COOP_CHUNK, ops.COOP_NUM_WARPS, dtype.itemsize)
+                         ops.LOOP_BLOCK_N, ops.COOP_CHUNK, ops.COOP_NUM_WARPS, ops._fwd_l2_loop(n_cols, dtype.itemsize))
 
     assert plan(n_rows).kind == "looped" and plan(n_rows).keep_in_l2
     assert plan(n_rows - 1).kind == "coop"

@@ -14,7 +14,7 @@ Four shapes of work, forward and backward alike:
   takes the next two paths instead.
 - `*_looped_kernel`: a row too long for the cooperative kernel, many rows. One program per row
   loops over it twice (statistics, then output): the row is read twice, 1.5x the minimum traffic.
-  The forward also takes it for rows short enough to stay in L2 between its passes when there
+  Both directions also take it for rows short enough to stay in L2 between its passes when there
   are many of them (CUDA): the first pass keeps the lines there, so HBM sees one read and one
   write, without the cooperative kernel's synchronisation.
 - `*_partial_kernel` + `*_split_kernel`: the same with too few rows to fill the GPU. Each row is
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernel_lab.shared.coop import coop_publish_and_gather, coop_ticket, coop_word_hi, coop_word_lo
+from kernel_lab.shared.vector_hints import multiple_of
 
 
 @triton.jit
@@ -86,7 +87,11 @@ def _softmax_fwd_rows_kernel(
     LOG: tl.constexpr,  # log-softmax instead of softmax
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row at once
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -128,7 +133,11 @@ def _softmax_fwd_coop_kernel(
     CHUNK: tl.constexpr,  # columns per program
     BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
     row, split = coop_ticket(sync_ptr, n_splits)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_cols)
@@ -154,7 +163,11 @@ def _softmax_fwd_looped_kernel(
     LOG: tl.constexpr,
     KEEP_IN_L2: tl.constexpr,  # rows short enough for L2 (ops.L2_LOOP_ROW_BYTES): the second pass reads it
     BLOCK_N: tl.constexpr,  # columns per loop step
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
     m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "")
@@ -168,7 +181,11 @@ def _softmax_fwd_partial_kernel(
     n_cols, stride_x_row, chunk,
     n_splits,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * chunk
@@ -187,7 +204,12 @@ def _softmax_fwd_split_kernel(
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2)
@@ -201,17 +223,19 @@ def _softmax_fwd_split_kernel(
 
 
 @triton.jit
-def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    """sum(dy) (log-softmax) or sum(y * dy) (softmax) over [start, end), shape [1]."""
+def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVICTION: tl.constexpr = ""):
+    """sum(dy) (log-softmax) or sum(y * dy) (softmax) over [start, end), shape [1].
+    EVICTION: the loads' L2 eviction policy, as in _chunk_max_sumexp."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
-        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
         if LOG:
             acc += dy
         else:
-            acc += dy * tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += dy * tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     return tl.sum(acc, axis=0) + tl.zeros([1], tl.float32)
 
 
@@ -224,15 +248,16 @@ def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
 
 
 @triton.jit
-def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx[start:end] from y, dy and the row's reduction `dot`."""
+def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVICTION: tl.constexpr = ""):
+    """dx[start:end] from y, dy and the row's reduction `dot`. EVICTION: as in _write_normalized."""
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
-        y = tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+        dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
         dx = _grad_from_dot(y, dy, dot, LOG)
-        tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -242,7 +267,12 @@ def _softmax_bwd_rows_kernel(
     LOG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the forward
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -266,7 +296,12 @@ def _softmax_bwd_coop_kernel(
     LOG: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     row, split = coop_ticket(sync_ptr, n_splits)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
@@ -288,13 +323,20 @@ def _softmax_bwd_looped_kernel(
     y_ptr, dy_ptr, dx_ptr, n_cols,
     stride_y_row, stride_dy_row, stride_dx_row,
     LOG: tl.constexpr,
+    KEEP_IN_L2: tl.constexpr,  # as in the forward's looped kernel (rows of ops.BWD_L2_LOOP_ROW_BYTES)
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     y_row_ptr = y_ptr + row * stride_y_row
     dy_row_ptr = dy_ptr + row * stride_dy_row
-    dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N)
-    _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N)
+    dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "")
+    _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N,
+                EVICTION="evict_first" if KEEP_IN_L2 else "")
 
 
 @triton.jit
@@ -304,7 +346,12 @@ def _softmax_bwd_partial_kernel(
     n_splits,
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * chunk
@@ -321,7 +368,13 @@ def _softmax_bwd_split_kernel(
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    ALIGN: tl.constexpr,  # as in the rows kernel
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
+    chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     idx = tl.arange(0, SPLITS_POW2)

@@ -19,6 +19,7 @@ from torch.library import triton_op
 
 from kernel_lab.shared import coop, reference, runtime
 from kernel_lab.shared.runtime import plan_arg_key
+from kernel_lab.shared.vector_hints import vector_alignment
 
 from ._kernels import (
     _softmax_bwd_coop_kernel,
@@ -135,6 +136,25 @@ L2_LOOP_ROW_BYTES = 65536
 L2_LOOP_MIN_ROWS_PER_SM = 16
 L2_LOOP_BLOCK_N = 16384
 L2_LOOP_NUM_WARPS = 8
+# The backward's looped kernel the same way (y and dy kept in L2, dx written in the second pass).
+# Until kernel-lab-softmax 0.2.13 the plan sent every backward of more than BWD_MAX_FUSED_COLS
+# columns and L2_LOOP_MIN_ROWS_PER_SM rows an SM there, but with no eviction hints: 287 us at
+# 4096 x 32768 bf16 on an H200, where torch.compile took 192. H200 sweep (bf16 unless said; the
+# kernels launched directly, alternated over five rounds; scratch, 2026-11-27), in us, the
+# looped kernel with the hints at (BLOCK_N, warps) against the cooperative kernel and
+# torch.compile: 4096 x 32768: 199 at (16384, 8), 215 at (8192, 16), coop 267, compile 192 (fp16
+# 197 / 265 / 192); 8192 x 16384: 189 at (16384, 8), 197 at (4096, 16), coop 259, compile 186;
+# 2560 x 24576: 98 at (16384, 8), coop 127, compile 112; 8192 x 12288: 145 at (4096, 16), 178 at
+# (16384, 8), coop 224, compile 149; 16384 x 8200: 199 at (2048, 8), 203 at (4096, 16), 215 at
+# (16384, 8), coop 366, compile 210; 4096 x 50264 (196 KB of y and dy a row): 397 at (16384, 8),
+# coop 438, compile 523; 4096 x 65536 (256 KB): coop 533, 562 at (16384, 8), compile 612; float32
+# 4096 x 32768 (256 KB): coop 377, 453 at (16384, 8), compile 380. Hence rows of up to 224 KB of
+# y and dy, in 16384-column steps over 8 warps, or 4096 over 16 for rows shorter than 16384.
+BWD_L2_LOOP_ROW_BYTES = 224 * 1024
+BWD_L2_LOOP_BLOCK_N = 16384
+BWD_L2_LOOP_NUM_WARPS = 8
+BWD_L2_LOOP_SHORT_BLOCK_N = 4096
+BWD_L2_LOOP_SHORT_NUM_WARPS = 16
 # Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
 # for 32k- to 128k-column bf16 rows on an H200 (the backward loads two rows per step: half).
 LOOP_BLOCK_N = 16384
@@ -171,15 +191,15 @@ _PLANS_MAX = 4096
 
 def _plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int = 0,
+    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None = None,
 ) -> _Plan:
     """The launch plan of one direction's kernels for (n_rows, n_cols) rows on `device`.
 
     rows_tile: elements a program of the rows kernel holds (FWD_ROWS_TILE / BWD_ROWS_TILE).
-    l2_loop_elem_size: the element size of a forward's input (rows that fit L2_LOOP_ROW_BYTES
-    may take the looped kernel with its L2 hints), 0 for the backward (never)."""
-    key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps,
-           l2_loop_elem_size)
+    l2_loop: (BLOCK_N, num_warps) of the looped kernel that keeps its row in L2 between its two
+    passes, where the direction allows it for rows of this length (`_fwd_l2_loop`,
+    `_bwd_l2_loop`); None: never."""
+    key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
         return _make_plan(*key)
     plan = _PLANS.get(key)
@@ -190,18 +210,29 @@ def _plan(
     return plan
 
 
+def _fwd_l2_loop(n_cols: int, element_size: int) -> tuple[int, int] | None:
+    return (L2_LOOP_BLOCK_N, L2_LOOP_NUM_WARPS) if n_cols * element_size <= L2_LOOP_ROW_BYTES else None
+
+
+def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
+    """bytes_per_col: of y and dy together."""
+    if n_cols * bytes_per_col > BWD_L2_LOOP_ROW_BYTES:
+        return None
+    return (BWD_L2_LOOP_BLOCK_N, BWD_L2_LOOP_NUM_WARPS) if n_cols >= BWD_L2_LOOP_BLOCK_N else (
+        BWD_L2_LOOP_SHORT_BLOCK_N, BWD_L2_LOOP_SHORT_NUM_WARPS)
+
+
 def _make_plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int, l2_loop_elem_size: int,
+    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
         block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, rows_tile)
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
-    if (on_gpu and n_cols * l2_loop_elem_size <= L2_LOOP_ROW_BYTES
-            and n_rows >= L2_LOOP_MIN_ROWS_PER_SM * sm_count):
-        return _Plan("looped", block_n=L2_LOOP_BLOCK_N, num_warps=L2_LOOP_NUM_WARPS, keep_in_l2=True)
+    if on_gpu and l2_loop is not None and n_rows >= L2_LOOP_MIN_ROWS_PER_SM * sm_count:
+        return _Plan("looped", block_n=l2_loop[0], num_warps=l2_loop[1], keep_in_l2=True)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= coop.max_chunks(device):  # more could wait forever (kernel_lab.shared.coop)
         return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
@@ -259,29 +290,33 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
     plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
-                 COOP_NUM_WARPS, x.element_size())
+                 COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()))
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
     # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
     # host (where a whole eager softmax call then took 15.8-16.1 us and torch.softmax 6.5-6.9),
     # 11.8-13.5 against 8.0-9.4 on another. The outputs and scratch are fresh and contiguous.
     key = None if traceable else ("fwd", log, x2.shape, plan_arg_key(x2), x.device)
+    # The power of two dividing the row length, strides and chunk, for the kernels' vector
+    # accesses (kernel_lab.shared.vector_hints; y2's stride is n_cols): at 131072 x 1000 bf16 on
+    # an H200, 126 us against 143 without it, the backward 182 against 207 (rows kernels).
+    align = vector_alignment(x2.element_size(), n_cols, x2.stride(0), plan.chunk)
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, plan.n_splits, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * plan.n_splits,)](
             x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, BLOCK_N=min(COOP_BLOCK_N, plan.chunk),
-            SPLITS_POW2=runtime.next_power_of_2(plan.n_splits), num_warps=plan.num_warps,
+            SPLITS_POW2=runtime.next_power_of_2(plan.n_splits), ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_fwd_looped_kernel, traceable, key)[(n_rows,)](
             x2, y2, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     else:
         part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
@@ -289,12 +324,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         grid = (n_rows, plan.n_splits)
         runtime.launchable(_softmax_fwd_partial_kernel, traceable, key)[grid](
             x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, plan.n_splits,
-            BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
         runtime.launchable(_softmax_fwd_split_kernel, traceable, key)[grid](
             x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            num_warps=plan.num_warps,
+            ALIGN=align, num_warps=plan.num_warps,
         )
     return _from_rows(y2, x, dim)
 
@@ -312,37 +347,39 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     coop_chunk, coop_num_warps = (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log else (
         BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, BWD_ROWS_TILE, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
-                 coop_num_warps)
+                 coop_num_warps, _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size()))
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
+    align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
+                             plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, plan.n_splits, y.device)
         runtime.launchable(_softmax_bwd_coop_kernel, traceable, key)[(n_rows * plan.n_splits,)](
             y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            num_warps=plan.num_warps,
+            ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_bwd_looped_kernel, traceable, key)[(n_rows,)](
             y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     else:
         part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
         grid = (n_rows, plan.n_splits)
         runtime.launchable(_softmax_bwd_partial_kernel, traceable, key)[grid](
             y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            LOG=log, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
         runtime.launchable(_softmax_bwd_split_kernel, traceable, key)[grid](
             y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
             plan.chunk, plan.n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            num_warps=plan.num_warps,
+            ALIGN=align, num_warps=plan.num_warps,
         )
     return _from_rows(dx2, dy, dim)
 
