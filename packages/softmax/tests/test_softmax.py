@@ -399,6 +399,11 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
     assert past.kind == "split"
     x = testing.randn(2, sm_count * ops.COOP_CHUNK, dtype=torch.bfloat16, device="cuda", seed=3)
     testing.assert_close_to_reference(softmax(x), reference.softmax(x), torch.softmax(x, -1), factor=FWD_FACTOR)
+    # and past it, both directions of both ops on the split kernels (until 0.2.13 their jit
+    # helpers' str defaults failed to compile there; the interpreter does not compile)
+    x = testing.randn(2, sm_count * ops.COOP_CHUNK + 8, dtype=torch.bfloat16, device="cuda", seed=4)
+    for op_name in OPS:
+        check_forward_and_backward(op_name, x, seed=4)
 
 
 @pytest.mark.gpu

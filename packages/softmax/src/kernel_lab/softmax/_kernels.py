@@ -40,8 +40,11 @@ def _safe_shift(m):
     return tl.where(m == float("-inf"), 0.0, m)
 
 
+# (The EVICTION arguments have no default: Triton 3.6 passes a jit helper's default values
+# as they are, and a str default is then taken for a tensor argument and fails to compile,
+# which the interpreter does not show.)
 @triton.jit
-def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr = ""):
+def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr):
     """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1].
     EVICTION: the loads' L2 eviction policy ("evict_last": the row is read again soon)."""
     m = tl.full([1], float("-inf"), tl.float32)
@@ -59,7 +62,7 @@ def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.c
 
 @triton.jit
 def _write_normalized(
-    x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr = ""
+    x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr
 ):
     """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum.
     EVICTION: the L2 eviction policy of its loads and stores ("evict_first": last use)."""
@@ -190,7 +193,7 @@ def _softmax_fwd_partial_kernel(
     split = tl.program_id(1)
     start = split * chunk
     end = tl.minimum(start + chunk, n_cols)
-    m, s = _chunk_max_sumexp(x_ptr + row * stride_x_row, start, end, BLOCK_N)
+    m, s = _chunk_max_sumexp(x_ptr + row * stride_x_row, start, end, BLOCK_N, EVICTION="")
     out = row * n_splits + split + tl.arange(0, 1)
     tl.store(max_ptr + out, m)
     tl.store(sum_ptr + out, s)
@@ -215,7 +218,8 @@ def _softmax_fwd_split_kernel(
     shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2)
     start = split * chunk
     end = tl.minimum(start + chunk, n_cols)
-    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, shift, s, LOG, BLOCK_N)
+    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, shift, s, LOG, BLOCK_N,
+                      EVICTION="")
 
 
 # Backward. softmax: dx = y * (dy - sum(y * dy)); log-softmax: dx = dy - exp(y) * sum(dy).
@@ -224,7 +228,7 @@ def _softmax_fwd_split_kernel(
 
 @triton.jit
 def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
-                    EVICTION: tl.constexpr = ""):
+                    EVICTION: tl.constexpr):
     """sum(dy) (log-softmax) or sum(y * dy) (softmax) over [start, end), shape [1].
     EVICTION: the loads' L2 eviction policy, as in _chunk_max_sumexp."""
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -249,7 +253,7 @@ def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
 
 @triton.jit
 def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVICTION: tl.constexpr = ""):
+                EVICTION: tl.constexpr):
     """dx[start:end] from y, dy and the row's reduction `dot`. EVICTION: as in _write_normalized."""
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
@@ -356,7 +360,8 @@ def _softmax_bwd_partial_kernel(
     split = tl.program_id(1)
     start = split * chunk
     end = tl.minimum(start + chunk, n_cols)
-    dot = _chunk_grad_dot(y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, start, end, LOG, BLOCK_N)
+    dot = _chunk_grad_dot(y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, start, end, LOG, BLOCK_N,
+                          EVICTION="")
     tl.store(dot_ptr + row * n_splits + split + tl.arange(0, 1), dot)
 
 
@@ -383,5 +388,5 @@ def _softmax_bwd_split_kernel(
     end = tl.minimum(start + chunk, n_cols)
     _write_grad(
         y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, dx_ptr + row * stride_dx_row,
-        start, end, dot, LOG, BLOCK_N,
+        start, end, dot, LOG, BLOCK_N, EVICTION="",
     )
