@@ -282,7 +282,8 @@ RERUN_TEST_NAME = "test_rerun_without_interpreter"
 
 
 def compile_for_sm90(
-    fn, types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int, aligned: bool = False
+    fn, types: dict[str, str], constexprs: dict, *, num_warps: int, num_stages: int,
+    aligned: bool | tuple[str, ...] = False,
 ):
     """Compile the Triton kernel `fn` for an H100/H200 (sm_90) on this machine, GPU or not.
 
@@ -293,7 +294,8 @@ def compile_for_sm90(
     "i64" for names starting with "stride" and "i32" for the other integers.
     aligned: specialise every pointer and integer argument as a multiple of 16, as the launcher
     does for aligned LLM shapes (it enables 16-byte vector accesses), except the parameters the
-    kernel marks do_not_specialize.
+    kernel marks do_not_specialize; or a tuple of the argument names to specialise so (e.g. the
+    pointers only: what the kernel makes of lengths and strides that are not multiples of 16).
     Returns triton's compiled kernel: `.asm` holds "ptx" and "cubin".
     """
     import triton
@@ -318,6 +320,7 @@ def compile_for_sm90(
             (fn.arg_names.index(name),): [["tt.divisibility", 16]]
             for name, ty in sig.items()
             if ty != "constexpr" and not ty.startswith("fp") and name not in unspecialised
+            and (aligned is True or name in aligned)
         }
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     sm90 = GPUTarget("cuda", 90, 32)  # capability 9.0, 32-thread warps
