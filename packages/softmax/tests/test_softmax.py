@@ -36,7 +36,7 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
         for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK",
-                     "LOG_BWD_COOP_CHUNK"):
+                     "LOG_BWD_COOP_CHUNK", "ODD_COOP_CHUNK", "BWD_ODD_COOP_CHUNK"):
             monkeypatch.setattr(ops, name, loop_block)
 
     return shrink
@@ -408,11 +408,11 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name", list(OPS))
-@pytest.mark.parametrize("n_cols, dtype", [(12289, torch.bfloat16), (32768, torch.float16), (50264, torch.bfloat16)])
+@pytest.mark.parametrize("n_cols, dtype", [(12296, torch.bfloat16), (32768, torch.float16), (50264, torch.bfloat16)])
 def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
     """Many rows whose y and dy fit ops.BWD_L2_LOOP_ROW_BYTES: the backward's looped kernel with
-    its L2 hints, in short steps (12289: a 1-column masked tail) and long ones; rows past the
-    limit stay cooperative."""
+    its L2 hints, in short steps (12296: an 8-column masked tail) and long ones; rows past the
+    limit, and odd rows (ops.ODD_*), stay cooperative."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
     plan = ops._plan(n_rows, n_cols, ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, torch.device("cuda"),
@@ -420,6 +420,7 @@ def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, d
                      ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize))
     assert plan.kind == "looped" and plan.keep_in_l2
     assert ops._bwd_l2_loop(65536, 2 * torch.bfloat16.itemsize) is None  # 256 KB of y and dy a row
+    assert ops._odd_rows(n_cols + 1, n_cols + 1) and not ops._odd_rows(n_cols, n_cols)
     x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
     check_forward_and_backward(op_name, x, seed=seed)
 

@@ -117,6 +117,25 @@ BWD_COOP_NUM_WARPS = 8
 # (softmax's own backward was 1-2% slower so).
 LOG_BWD_COOP_CHUNK = 4096
 LOG_BWD_COOP_NUM_WARPS = 4
+# Rows with an odd length or stride (GPT-2's 50257-token vocabulary) have no two neighbours that
+# can be proven to share a 16-byte vector (kernel_lab.shared.vector_hints), so every access is of
+# one element, and the long-row kernels want smaller steps than above. H200, bf16, the kernels
+# alternated over five rounds (scratch, 2026-11-27), in us: forward 4096 x 50257: cooperative with
+# 8192-column chunks in 1024-column steps over 4 warps 416, (16384, 8192, 4) as above 959,
+# torch.softmax 360; 1024 x 131071: 265 against 512 (torch 311); 8192 x 20001 (many rows of at
+# most 64 KB): the L2-looped kernel in 4096-column steps over 4 warps 246, in 16384-column steps
+# over 8 (as above) slower than any cooperative tile (331 at the best). Backward 4096 x 50257:
+# cooperative 4096-column chunks over 4 warps 466, (8192, 8) as above 539, the L2-looped kernel
+# 614 at its best, torch.compile 621; 1024 x 131071: 297 against 326 (torch.compile 477);
+# 8192 x 20001: the L2-looped kernel 328 at its best, cooperative (4096, 4) 344: the backward's
+# odd rows are always cooperative. (Reading each row from a 16-byte aligned address below its
+# start, and writing its unaligned ends apart, would give them vectors too: not done.)
+ODD_COOP_CHUNK = 8192
+ODD_COOP_BLOCK_N = 1024
+ODD_COOP_NUM_WARPS = 4
+ODD_L2_LOOP = (4096, 4)  # (BLOCK_N, num_warps) of the forward's L2-looped kernel
+BWD_ODD_COOP_CHUNK = 4096
+BWD_ODD_COOP_NUM_WARPS = 4
 # Forward rows of at most L2_LOOP_ROW_BYTES (32768 bf16 columns), with at least
 # L2_LOOP_MIN_ROWS_PER_SM rows an SM: the looped kernel, one program a row, its first pass
 # keeping the row's lines in L2 (evict_last) and its second reading them from there
@@ -191,15 +210,17 @@ _PLANS_MAX = 4096
 
 def _plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None = None,
+    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None = None, coop_block_n: int = 0,
 ) -> _Plan:
     """The launch plan of one direction's kernels for (n_rows, n_cols) rows on `device`.
 
     rows_tile: elements a program of the rows kernel holds (FWD_ROWS_TILE / BWD_ROWS_TILE).
     l2_loop: (BLOCK_N, num_warps) of the looped kernel that keeps its row in L2 between its two
     passes, where the direction allows it for rows of this length (`_fwd_l2_loop`,
-    `_bwd_l2_loop`); None: never."""
-    key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop)
+    `_bwd_l2_loop`); None: never.
+    coop_block_n: the steps of the forward's cooperative kernel through its chunk (0: one step)."""
+    key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop,
+           coop_block_n)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
         return _make_plan(*key)
     plan = _PLANS.get(key)
@@ -210,8 +231,16 @@ def _plan(
     return plan
 
 
-def _fwd_l2_loop(n_cols: int, element_size: int) -> tuple[int, int] | None:
-    return (L2_LOOP_BLOCK_N, L2_LOOP_NUM_WARPS) if n_cols * element_size <= L2_LOOP_ROW_BYTES else None
+def _odd_rows(*ints: int) -> bool:
+    """Whether rows of this length and strides are accessed element by element (ODD_*): one of
+    them odd. False for symbolic sizes (tracing), where Triton still specialises the values."""
+    return all(type(n) is int for n in ints) and any(n & 1 for n in ints)
+
+
+def _fwd_l2_loop(n_cols: int, element_size: int, odd: bool = False) -> tuple[int, int] | None:
+    if n_cols * element_size > L2_LOOP_ROW_BYTES:
+        return None
+    return ODD_L2_LOOP if odd else (L2_LOOP_BLOCK_N, L2_LOOP_NUM_WARPS)
 
 
 def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
@@ -224,7 +253,7 @@ def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
 
 def _make_plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
-    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None,
+    coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None, coop_block_n: int,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
         block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, rows_tile)
@@ -235,7 +264,8 @@ def _make_plan(
         return _Plan("looped", block_n=l2_loop[0], num_warps=l2_loop[1], keep_in_l2=True)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= coop.max_chunks(device):  # more could wait forever (kernel_lab.shared.coop)
-        return _Plan("coop", block_n=coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks, chunk=coop_chunk)
+        return _Plan("coop", block_n=coop_block_n or coop_chunk, num_warps=coop_num_warps, n_splits=n_chunks,
+                     chunk=coop_chunk)
     n_splits = min(runtime.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, n_rows), runtime.cdiv(n_cols, SPLIT_BLOCK_N))
     if n_splits <= 1:
         return _Plan("looped", block_n=loop_block_n, num_warps=LOOP_NUM_WARPS)
@@ -289,8 +319,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
-                 COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()))
+    if _odd_rows(n_cols, x2.stride(0)):
+        plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, ODD_COOP_CHUNK,
+                     ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N)
+    else:
+        plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
+                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N)
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
     # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
@@ -310,7 +344,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         work = coop.workspace(n_rows, plan.n_splits, x.device)
         runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * plan.n_splits,)](
             x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
-            LOG=log, CHUNK=plan.chunk, BLOCK_N=min(COOP_BLOCK_N, plan.chunk),
+            LOG=log, CHUNK=plan.chunk, BLOCK_N=min(plan.block_n, plan.chunk),
             SPLITS_POW2=runtime.next_power_of_2(plan.n_splits), ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
@@ -344,10 +378,17 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     dx2 = torch.empty_like(dy2, memory_format=torch.contiguous_format)
     if dx2.numel() == 0:
         return _from_rows(dx2, dy, dim)
-    coop_chunk, coop_num_warps = (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log else (
-        BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
+    odd = _odd_rows(n_cols, y2.stride(0), dy2.stride(0))
+    if odd:
+        coop_chunk, coop_num_warps, l2_loop = BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS, None
+    elif log:
+        coop_chunk, coop_num_warps = LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS
+        l2_loop = _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
+    else:
+        coop_chunk, coop_num_warps = BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS
+        l2_loop = _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, BWD_ROWS_TILE, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
-                 coop_num_warps, _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size()))
+                 coop_num_warps, l2_loop)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
                              plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
