@@ -125,8 +125,8 @@ LOG_BWD_COOP_NUM_WARPS = 4
 # torch.softmax 360; 1024 x 131071: 265 against 512 (torch 311); 8192 x 20001 (many rows of at
 # most 64 KB): the L2-looped kernel in 4096-column steps over 4 warps 246, in 16384-column steps
 # over 8 (as above) slower than any cooperative tile (331 at the best). Backward 4096 x 50257:
-# cooperative 4096-column chunks over 4 warps 466, (8192, 8) as above 539, the L2-looped kernel
-# 614 at its best, torch.compile 621; 1024 x 131071: 297 against 326 (torch.compile 477);
+# cooperative 4096-column chunks over 4 warps 466, (8192, 8) as above 517, the L2-looped kernel
+# 602 (its tile above), torch.compile 621; 1024 x 131071: 297 against 326 (torch.compile 477);
 # 8192 x 20001: the L2-looped kernel 328 at its best, cooperative (4096, 4) 344: the backward's
 # odd rows are always cooperative. (Reading each row from a 16-byte aligned address below its
 # start, and writing its unaligned ends apart, would give them vectors too: not done.)
