@@ -8,6 +8,10 @@ Markers:
 
 Fixtures: `kernel_device` (where an `interpret` test puts its tensors) and `seed` (a stable
 per-test seed, so each test draws its own fresh inputs, reproducibly).
+
+Options: `--kernel-lab-errors` (the worst error of every test against its reference) and
+`--kernel-lab-compile-launches` (every kernel launch of an interpreted session compiled for
+sm_90 when it ends: kernel_lab.shared.launch_check).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kernel-lab-errors", action="store_true",
         help="print the worst error against the reference of every checked kernel output",
     )
+    parser.addoption(
+        "--kernel-lab-compile-launches", action="store_true",
+        help="under TRITON_INTERPRET=1: compile every kernel launch of the session for sm_90 at its end "
+             "(kernel_lab.shared.launch_check); a launch that does not compile fails the session",
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -39,6 +48,7 @@ _REPORT_OWNERS: list[str] = []
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    _launch_check_summary(terminalreporter, config)
     if not config.getoption("--kernel-lab-errors"):
         return
     worst: dict[str, tuple[testing.ErrorReport, int, bool]] = {}
@@ -60,6 +70,59 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "interpret: runs a Triton kernel on CUDA, or on the CPU under TRITON_INTERPRET=1"
     )
+    config.stash[_LAUNCH_CHECK] = _start_launch_check(config)
+
+
+# --kernel-lab-compile-launches: (recorder or None, why not, the compile subprocess's result)
+_LAUNCH_CHECK = pytest.StashKey[dict]()
+LAUNCH_CHECK_TIMEOUT_S = 1800
+
+
+def _start_launch_check(config: pytest.Config) -> dict:
+    if not config.getoption("--kernel-lab-compile-launches"):
+        return {}
+    if not (runtime.triton_available() and runtime.interpret_mode()):
+        return {"off": "launches are recorded under the Triton interpreter only (TRITON_INTERPRET=1)"}
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        return {"off": "the triton wheel has no CUDA backend to compile with"}
+    if hasattr(config, "workerinput"):
+        return {"off": "not in pytest-xdist workers: run without -n"}
+    from .launch_check import LaunchRecorder
+
+    recorder = LaunchRecorder()
+    recorder.install()
+    return {"recorder": recorder}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    check = session.config.stash.get(_LAUNCH_CHECK, {})
+    recorder = check.get("recorder")
+    if recorder is None:
+        return
+    recorder.uninstall()
+    if recorder.launches:
+        check["result"] = result = recorder.compile_all(timeout=LAUNCH_CHECK_TIMEOUT_S)
+        if result.returncode != 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _launch_check_summary(terminalreporter, config: pytest.Config) -> None:
+    check = config.stash.get(_LAUNCH_CHECK, {})
+    if not check:
+        return
+    terminalreporter.section("kernel_lab: the interpret tier's kernel launches, compiled for sm_90")
+    if "off" in check:
+        terminalreporter.write_line(f"not run: {check['off']}")
+        return
+    result = check.get("result")
+    if result is None:
+        terminalreporter.write_line("no kernel launches were recorded")
+    else:
+        terminalreporter.write_line((result.stdout + result.stderr).strip()[-20000:])
+    for kernel, why in sorted(check["recorder"].skipped.items()):
+        terminalreporter.write_line(f"skipped {kernel}: {why}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
