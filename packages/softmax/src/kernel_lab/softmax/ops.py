@@ -379,14 +379,12 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     if dx2.numel() == 0:
         return _from_rows(dx2, dy, dim)
     odd = _odd_rows(n_cols, y2.stride(0), dy2.stride(0))
-    if odd:
-        coop_chunk, coop_num_warps, l2_loop = BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS, None
-    elif log:
-        coop_chunk, coop_num_warps = LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS
-        l2_loop = _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
-    else:
-        coop_chunk, coop_num_warps = BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS
-        l2_loop = _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
+    coop_chunk, coop_num_warps = (
+        (BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS) if odd
+        else (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log
+        else (BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
+    )
+    l2_loop = None if odd else _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, BWD_ROWS_TILE, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
                  coop_num_warps, l2_loop)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
