@@ -70,3 +70,22 @@ def test_kernels_outside_the_packages_are_skipped(recorder):
 
     local_kernel[(1,)](torch.zeros(1))
     assert not recorder.launches and "local_kernel" in next(iter(recorder.skipped))
+
+
+
+def test_dtype_constexprs_are_recorded_and_decoded(recorder):
+    """tl.dtype constexprs (optim-adamw's PARAM_DTYPE, ...) travel as "tl.<name>" and come back."""
+    import triton.language as tl
+
+    from kernel_lab.shared.launch_check import decode_constexpr
+
+    def kernel(x_ptr, DTYPE: tl.constexpr):  # stands in for a kernel_lab kernel: only recorded
+        pass
+
+    kernel.__module__, kernel.__qualname__ = "kernel_lab.example", "kernel"
+    dtypes = [tl.bfloat16, tl.float16, tl.float32, tl.float8e4nv, tl.int64]
+    for dtype in dtypes:
+        recorder.record(kernel, (torch.zeros(1),), {"DTYPE": dtype})
+    recorded = [launch["constexprs"]["DTYPE"] for launch in recorder.launches.values()]
+    assert all(isinstance(v, str) for v in recorded)  # JSON for the compiling subprocess
+    assert [decode_constexpr(v) for v in recorded] == dtypes

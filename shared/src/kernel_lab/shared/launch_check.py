@@ -119,13 +119,17 @@ def _kernel(name: str):
     return getattr(importlib.import_module(module), qualname)
 
 
-def _compile(launch: dict) -> None:
+def decode_constexpr(v):
+    """A recorded constexpr as the kernel takes it: "tl.bf16" is tl.bfloat16 again."""
     import triton.language as tl
 
+    return tl.dtype(v[len(_DTYPE_PREFIX):]) if isinstance(v, str) and v.startswith(_DTYPE_PREFIX) else v
+
+
+def _compile(launch: dict) -> None:
     from .testing import compile_for_sm90
 
-    constexprs = {k: getattr(tl, v[len(_DTYPE_PREFIX):]) if isinstance(v, str) and v.startswith(_DTYPE_PREFIX) else v
-                  for k, v in launch["constexprs"].items()}
+    constexprs = {k: decode_constexpr(v) for k, v in launch["constexprs"].items()}
     compile_for_sm90(_kernel(launch["kernel"]), launch["types"], constexprs, num_warps=launch["num_warps"],
                      num_stages=launch["num_stages"])
 
