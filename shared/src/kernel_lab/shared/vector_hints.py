@@ -37,8 +37,9 @@ def vector_alignment(element_size: int, *ints: int) -> int:
     """The largest power of two, at most one 16-byte vector of elements, that divides every one
     of `ints` (a row length and the row strides of one launch): 8 for bfloat16 rows of 1000.
     1 (no claim) when one of them is symbolic (torch.compile tracing with dynamic shapes)."""
-    if any(type(n) is not int for n in ints):
-        return 1
+    for n in ints:  # (a loop, not any(): this runs on every eager launch)
+        if type(n) is not int:
+            return 1
     return math.gcd(16 // element_size, *ints)
 
 

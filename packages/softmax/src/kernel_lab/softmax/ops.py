@@ -234,7 +234,12 @@ def _plan(
 def _odd_rows(*ints: int) -> bool:
     """Whether rows of this length and strides are accessed element by element (ODD_*): one of
     them odd. False for symbolic sizes (tracing), where Triton still specialises the values."""
-    return all(type(n) is int for n in ints) and any(n & 1 for n in ints)
+    bits = 0
+    for n in ints:  # (a loop, not all() / any(): this runs on every eager call)
+        if type(n) is not int:
+            return False
+        bits |= n
+    return bool(bits & 1)
 
 
 def _fwd_l2_loop(n_cols: int, element_size: int, odd: bool = False) -> tuple[int, int] | None:
