@@ -243,13 +243,16 @@ def _odd_rows(*ints: int) -> bool:
 
 
 def _fwd_l2_loop(n_cols: int, element_size: int, odd: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, num_warps) of the forward's L2-looped kernel for rows of this length, None where
+    a row does not fit L2_LOOP_ROW_BYTES; odd: rows read element by element (ODD_L2_LOOP)."""
     if n_cols * element_size > L2_LOOP_ROW_BYTES:
         return None
     return ODD_L2_LOOP if odd else (L2_LOOP_BLOCK_N, L2_LOOP_NUM_WARPS)
 
 
 def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
-    """bytes_per_col: of y and dy together."""
+    """The same for the backward, whose rows of y and dy together (bytes_per_col) must fit
+    BWD_L2_LOOP_ROW_BYTES; its odd rows never take it (the caller passes None for them)."""
     if n_cols * bytes_per_col > BWD_L2_LOOP_ROW_BYTES:
         return None
     return (BWD_L2_LOOP_BLOCK_N, BWD_L2_LOOP_NUM_WARPS) if n_cols >= BWD_L2_LOOP_BLOCK_N else (
