@@ -72,11 +72,7 @@ def test_softmax_forward(benchmark, impl, n_cols, dtype):
     n_rows = ELEMENTS // n_cols
     benchmark.group = f"softmax-fwd {str(dtype)[6:]} {n_rows}x{n_cols}"
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 4
-    fn = _impl(impl)
-    y = _first_call(impl, fn, x)
-    bench.run_cuda(benchmark, lambda: fn(x))
-    bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=bench.bytes_of(x, y),
-                   max_error=_max_error(y, x))
+    _time_forward(benchmark, impl, x)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -85,11 +81,7 @@ def test_softmax_forward_few_long_rows(benchmark, impl, n_rows, n_cols):
     """Too few rows to fill the GPU with one program per row: the split path."""
     benchmark.group = f"softmax-fwd bfloat16 {n_rows}x{n_cols} (few rows)"
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) * 4
-    fn = _impl(impl)
-    y = _first_call(impl, fn, x)
-    bench.run_cuda(benchmark, lambda: fn(x))
-    bench.annotate(benchmark, impl=impl, role=_role(impl), bytes_moved=bench.bytes_of(x, y),
-                   max_error=_max_error(y, x))
+    _time_forward(benchmark, impl, x)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -112,6 +104,11 @@ def test_softmax_ragged_rows(benchmark, impl, direction, n_rows, n_cols):
         _time_backward(benchmark, impl, n_rows, n_cols)
         return
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16) * 4
+    _time_forward(benchmark, impl, x)
+
+
+def _time_forward(benchmark, impl: str, x: torch.Tensor) -> None:
+    """Time impl's softmax of x over its last dim."""
     fn = _impl(impl)
     y = _first_call(impl, fn, x)
     bench.run_cuda(benchmark, lambda: fn(x))
