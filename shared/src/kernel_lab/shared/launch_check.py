@@ -69,8 +69,9 @@ class LaunchRecorder:
         if not fn.__module__.startswith("kernel_lab.") or "<locals>" in fn.__qualname__:
             self.skipped[name] = "not a kernel of a kernel_lab package (a test's own, say)"
             return
-        params = inspect.signature(fn).parameters
-        bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        signature = inspect.signature(fn)
+        params = signature.parameters
+        bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
         bound.apply_defaults()
         types, constexprs = {}, {}
         for arg, p in params.items():
