@@ -35,6 +35,7 @@ def small_blocks(monkeypatch):
         testing.fresh_launch_plans(monkeypatch)  # and the launch plans keyed without them
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
+        monkeypatch.setattr(ops, "WIDE_ROWS_MAX_COLS", max_fused)  # no rows kernel past max_fused either
         for name in ("LOOP_BLOCK_N", "BWD_LOOP_BLOCK_N", "SPLIT_BLOCK_N", "COOP_CHUNK", "BWD_COOP_CHUNK",
                      "LOG_BWD_COOP_CHUNK", "ODD_COOP_CHUNK", "BWD_ODD_COOP_CHUNK"):
             monkeypatch.setattr(ops, name, loop_block)
@@ -206,6 +207,38 @@ def test_long_row_paths_match_reference(op_name, n_rows, n_cols, path, small_blo
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
+def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device, seed):
+    """Few rows just past both directions' fused limits: one program a row, the whole row in one
+    block of ops.WIDE_ROWS_MAX_COLS (a masked tail of 16381 columns), not cut across programs."""
+    n_rows, n_cols = 3, ops.FWD_MAX_FUSED_COLS + 3
+    for max_fused, tile, wide_warps in ((ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, ops.FWD_WIDE_ROWS_NUM_WARPS),
+                                        (ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, ops.BWD_WIDE_ROWS_NUM_WARPS)):
+        plan = ops._plan(n_rows, n_cols, max_fused, tile, torch.device(kernel_device), 1024, 1024, 4, None, 0,
+                         wide_warps)
+        assert (plan.kind, plan.block_m, plan.block_n, plan.num_warps) == ("rows", 1, ops.WIDE_ROWS_MAX_COLS,
+                                                                           wide_warps)
+    x = testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
+    x[1, ::3] = float("-inf")
+    check_forward_and_backward(op_name, x, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("n_rows, n_cols, dtype", [(7, 32768, torch.float32), (300, 20001, torch.bfloat16),
+                                                  (64, 24576, torch.float16)])
+def test_wide_rows_on_gpu_match_reference(op_name, n_rows, n_cols, dtype, seed):
+    """The rows kernel at up to ops.WIDE_ROWS_MAX_COLS columns, float32 rows included (the
+    backward holds two of them in registers: a spill would be slow, not wrong, but a row the
+    compiler cannot place would fail to compile)."""
+    x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
+    x[1, ::5] = float("-inf")
+    check_forward_and_backward(op_name, x, seed=seed)
+    x[0] = float("-inf")  # fully masked row
+    check_forward_in_place_and_strided(op_name, x, "wide rows forward")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_neg_inf_entries_and_fully_masked_rows(op_name, long_rows, small_blocks, kernel_device, seed):
     """-inf entries get probability 0; fully masked rows give 0 (softmax) / -inf (log_softmax)."""
@@ -366,8 +399,8 @@ def test_torch_compile_fullgraph_forward_and_backward(op_name, dynamic, seed):
 @pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize(
     "n_rows, n_cols, dtype",
-    [(1000, 50001, torch.bfloat16), (7, 16385, torch.float32), (300, 131071, torch.float16)],
-    ids=["many-rows-odd", "fp32-just-past-fused", "vocab-odd"],
+    [(1000, 50001, torch.bfloat16), (7, 32769, torch.float32), (300, 131071, torch.float16)],
+    ids=["many-rows-odd", "fp32-just-past-wide-rows", "vocab-odd"],
 )
 def test_cooperative_kernel_matches_reference(op_name, n_rows, n_cols, dtype, seed):
     """Rows cut into chunks across programs, with far more programs than fit on the GPU at once
@@ -408,17 +441,21 @@ def test_cooperative_plan_never_cuts_a_row_into_more_chunks_than_sms():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name", list(OPS))
-@pytest.mark.parametrize("n_cols, dtype", [(12296, torch.bfloat16), (32768, torch.float16), (50264, torch.bfloat16)])
-def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
+@pytest.mark.parametrize("n_cols, dtype, kind", [
+    (8200, torch.bfloat16, "looped"), (20000, torch.float32, "looped"), (50264, torch.bfloat16, "looped"),
+    (24576, torch.bfloat16, "rows"),
+])
+def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, kind, seed):
     """Many rows whose y and dy fit ops.BWD_L2_LOOP_ROW_BYTES: the backward's looped kernel with
-    its L2 hints, in short steps (12296: an 8-column masked tail) and long ones; rows past the
-    limit, and odd rows (ops.ODD_*), stay cooperative."""
+    its L2 hints, in short steps (8200: an 8-column masked tail) and long ones, except 16-bit rows
+    of at most ops.WIDE_ROWS_MAX_COLS that fill most of their block (the rows kernel); rows past
+    the limit, and odd rows (ops.ODD_*), stay cooperative."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
     plan = ops._plan(n_rows, n_cols, ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, torch.device("cuda"),
                      ops.BWD_LOOP_BLOCK_N, ops.BWD_COOP_CHUNK, ops.BWD_COOP_NUM_WARPS,
-                     ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize))
-    assert plan.kind == "looped" and plan.keep_in_l2
+                     ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize), 0, ops.BWD_WIDE_ROWS_NUM_WARPS, dtype.itemsize <= 2)
+    assert plan.kind == kind and plan.keep_in_l2 == (kind == "looped")
     assert ops._bwd_l2_loop(65536, 2 * torch.bfloat16.itemsize) is None  # 256 KB of y and dy a row
     assert ops._odd_rows(n_cols + 1, n_cols + 1) and not ops._odd_rows(n_cols, n_cols)
     x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
@@ -430,16 +467,17 @@ def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, d
 @pytest.mark.parametrize("n_cols, dtype", [(20001, torch.bfloat16), (32768, torch.float16)])
 def test_looped_forward_keeping_rows_in_l2_matches_reference(op_name, n_cols, dtype, seed):
     """Many rows of at most ops.L2_LOOP_ROW_BYTES: one program a row reads it twice, the second
-    time from L2 (odd length: a masked tail in its last step); fewer rows stay cooperative."""
+    time from L2 (odd length: a masked tail in its last step); fewer rows take the rows kernel."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
 
     def plan(rows):
         return ops._plan(rows, n_cols, ops.FWD_MAX_FUSED_COLS, ops.FWD_ROWS_TILE, torch.device("cuda"),
-                         ops.LOOP_BLOCK_N, ops.COOP_CHUNK, ops.COOP_NUM_WARPS, ops._fwd_l2_loop(n_cols, dtype.itemsize))
+                         ops.LOOP_BLOCK_N, ops.COOP_CHUNK, ops.COOP_NUM_WARPS, ops._fwd_l2_loop(n_cols, dtype.itemsize),
+                         ops.COOP_BLOCK_N, ops.FWD_WIDE_ROWS_NUM_WARPS)
 
     assert plan(n_rows).kind == "looped" and plan(n_rows).keep_in_l2
-    assert plan(n_rows - 1).kind == "coop"
+    assert plan(n_rows - 1).kind == "rows"
     x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
     x[0] = float("-inf")  # fully masked row
     x[1, ::5] = float("-inf")

@@ -69,6 +69,37 @@ BWD_MAX_FUSED_COLS = 8192
 # this tile by 1.0% at 131072 x 1024 (180.8 against 182.7 us) and lost by 1.6% at 131072 x 1000.)
 FWD_ROWS_TILE = 2048
 BWD_ROWS_TILE = 2048
+# Large backward inputs (at least BWD_LARGE_TILE_MIN_ELEMENTS, i.e. dozens of programs an SM at
+# this tile) take 8192-element tiles: H100, bf16, the rows kernel at each (BLOCK_M, warps)
+# alternated over seven rounds with torch.compile in one process (scratch, 2026-11-27), us:
+# 131072 x 1024 263.5 (8 rows over 8-16 warps) against 265.3 (2 rows over 4), torch.compile
+# 265.8; 32768 x 4096 263.5 (2 rows over 16) against 265.2 (1 over 8), torch.compile 263.1;
+# 131072 x 1000 257.6 against 260.3, torch.compile 261.1. Smaller inputs keep 2048 (above:
+# 32768 x 1000 was 11-14% slower at 8192).
+BWD_LARGE_ROWS_TILE = 8192
+BWD_LARGE_TILE_MIN_ELEMENTS = 1 << 26
+# Rows past the fused limits but of at most WIDE_ROWS_MAX_COLS, too few of them for the
+# L2-looped kernels below: one program a row still holds the whole row, the forward over 32
+# warps, the backward (two rows in registers) over 16. Cutting such rows across cooperating
+# programs cost more in synchronisation than it gained in parallelism. H100, bf16, alternated
+# over five rounds (scratch, 2026-11-27), us, this kernel against the cooperative plan,
+# torch.softmax and torch.compile: forward 512 x 32768 31.5 against 72.6, 39.1, 74.0; 2048 x
+# 32768 97.7 against 102.1, 138.2, 141.1; 1024 x 24576 45.8 against 75.9, 56.6, 70.4. Backward
+# (16 warps; 8 were up to 1% faster in bf16 but would spill float32 rows): 512 x 32768 38.3
+# against 87.7, torch.compile 76.2; 2048 x 32768 135.1 against 168.6, 135.6.
+# The backward of 16-bit rows takes it before the L2-looped kernel too, with many rows, where the
+# row fills at least WIDE_ROWS_MIN_FILL of its power-of-two block. Same method, us, against the
+# looped kernel at its best tile and torch.compile: 4096 x 32768 271.8 against 279.4, 265.2
+# (fp16 271.2, 280.6, 264.8); 8192 x 16384 263.4, 264.6, 264.8; 2560 x 24576 126.0, 128.3,
+# 133.2; 6400 x 20000 (61% full) 256.1, 259.5, torch.compile not timed; 8192 x 12288 198.6,
+# 201.1, 199.3; but 16384 x 8200 (50% full) 298.6 against 264.9, 263.3. float32 4096 x 32768:
+# 570.6 against 544.1 (32768-column steps over 32 warps), 544.7: float32 keeps its plan.
+# torch.compile's kernel at 4096 x 32768 is the looped one, 16384-column steps over 32 warps,
+# with the row length a compile-time constant; ours at that tile took 280-282 us in bf16.
+WIDE_ROWS_MAX_COLS = 32768
+WIDE_ROWS_MIN_FILL = 0.6
+FWD_WIDE_ROWS_NUM_WARPS = 32
+BWD_WIDE_ROWS_NUM_WARPS = 16
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
 # limit). A row may be cut into at most as many chunks as the GPU has SMs (kernel_lab.shared.coop),
 # e.g. 2M columns on 132 SMs in the forward. What bounds them is the synchronisation, not the
@@ -211,6 +242,7 @@ _PLANS_MAX = 4096
 def _plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None = None, coop_block_n: int = 0,
+    wide_rows_warps: int = 0, wide_rows_first: bool = False,
 ) -> _Plan:
     """The launch plan of one direction's kernels for (n_rows, n_cols) rows on `device`.
 
@@ -218,9 +250,12 @@ def _plan(
     l2_loop: (BLOCK_N, num_warps) of the looped kernel that keeps its row in L2 between its two
     passes, where the direction allows it for rows of this length (`_fwd_l2_loop`,
     `_bwd_l2_loop`); None: never.
-    coop_block_n: the steps of the forward's cooperative kernel through its chunk (0: one step)."""
+    coop_block_n: the steps of the forward's cooperative kernel through its chunk (0: one step).
+    wide_rows_warps: warps of the rows kernel on rows of up to WIDE_ROWS_MAX_COLS, too few of
+    them for the L2 loop (0: none; they are cut across programs); wide_rows_first: also with many
+    rows, before the L2 loop, where a row fills WIDE_ROWS_MIN_FILL of its block."""
     key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop,
-           coop_block_n)
+           coop_block_n, wide_rows_warps, wide_rows_first)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
         return _make_plan(*key)
     plan = _PLANS.get(key)
@@ -262,13 +297,19 @@ def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
 def _make_plan(
     n_rows: int, n_cols: int, max_fused_cols: int, rows_tile: int, device: torch.device, loop_block_n: int,
     coop_chunk: int, coop_num_warps: int, l2_loop: tuple[int, int] | None, coop_block_n: int,
+    wide_rows_warps: int, wide_rows_first: bool,
 ) -> _Plan:
     if n_cols <= max_fused_cols:
         block_m, block_n, num_warps = runtime.row_tile(n_rows, n_cols, rows_tile)
         return _Plan("rows", block_n=block_n, block_m=block_m, num_warps=num_warps)
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
-    if on_gpu and l2_loop is not None and n_rows >= L2_LOOP_MIN_ROWS_PER_SM * sm_count:
+    few_rows = n_rows < L2_LOOP_MIN_ROWS_PER_SM * sm_count
+    wide = _Plan("rows", block_n=runtime.next_power_of_2(n_cols), num_warps=wide_rows_warps)
+    if wide_rows_warps and n_cols <= WIDE_ROWS_MAX_COLS and (
+            few_rows or (wide_rows_first and n_cols >= WIDE_ROWS_MIN_FILL * wide.block_n)):
+        return wide
+    if on_gpu and l2_loop is not None and not few_rows:
         return _Plan("looped", block_n=l2_loop[0], num_warps=l2_loop[1], keep_in_l2=True)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
     if on_gpu and n_chunks <= coop.max_chunks(device):  # more could wait forever (kernel_lab.shared.coop)
@@ -329,10 +370,11 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         return _from_rows(y2, x, dim)
     if _odd_rows(n_cols, x2.stride(0)):
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, ODD_COOP_CHUNK,
-                     ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N)
+                     ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N,
+                     FWD_WIDE_ROWS_NUM_WARPS)
     else:
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
-                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N)
+                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N, FWD_WIDE_ROWS_NUM_WARPS)
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
     # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
@@ -393,8 +435,10 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
         else (BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
     )
     l2_loop = None if odd else _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
-    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, BWD_ROWS_TILE, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
-                 coop_num_warps, l2_loop)
+    rows_tile = BWD_LARGE_ROWS_TILE if n_rows * n_cols >= BWD_LARGE_TILE_MIN_ELEMENTS else BWD_ROWS_TILE
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, rows_tile, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
+                 coop_num_warps, l2_loop, 0, BWD_WIDE_ROWS_NUM_WARPS,
+                 max(y2.element_size(), dy2.element_size()) <= 2)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
                              plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
