@@ -89,3 +89,19 @@ def test_dtype_constexprs_are_recorded_and_decoded(recorder):
     recorded = [launch["constexprs"]["DTYPE"] for launch in recorder.launches.values()]
     assert all(isinstance(v, str) for v in recorded)  # JSON for the compiling subprocess
     assert [decode_constexpr(v) for v in recorded] == dtypes
+
+
+def test_under_xdist_the_option_says_it_did_not_run(tmp_path):
+    """With -n the launches happen in xdist's workers: the session says the check did not run,
+    rather than that no kernel launched."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    (tmp_path / "test_one.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "--kernel-lab-compile-launches",
+         str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "not run: not under pytest-xdist (-n)" in out.stdout, out.stdout
+    assert "no kernel launches were recorded" not in out.stdout

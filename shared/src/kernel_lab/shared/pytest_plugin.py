@@ -87,8 +87,10 @@ def _start_launch_check(config: pytest.Config) -> dict:
 
     if "nvidia" not in backends:
         return {"off": "the triton wheel has no CUDA backend to compile with"}
-    if hasattr(config, "workerinput"):
-        return {"off": "not in pytest-xdist workers: run without -n"}
+    if hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None):
+        # The launches happen in xdist's workers, which neither report nor fail the session from
+        # here; the controller alone would record nothing and say so as if nothing had launched.
+        return {"off": "not under pytest-xdist (-n): run without -n"}
     from .launch_check import LaunchRecorder
 
     recorder = LaunchRecorder()
