@@ -55,7 +55,7 @@ def test_cooperative_kernels_synchronise_without_a_fence(direction, log, dtype):
     assert "ld.volatile.global.b64" in ptx, "the statistics words are not read with volatile 64-bit loads"
 
 
-KERNELS = {  # every kernel of the package, with its constexprs (ALIGN and KEEP_IN_L2 vary below)
+KERNELS = {  # every kernel of the package, with its constexprs (ALIGN, KEEP_IN_L2, PREFETCH vary below)
     "_softmax_fwd_rows_kernel": dict(LOG=False, BLOCK_M=2, BLOCK_N=1024),
     "_softmax_fwd_coop_kernel": dict(LOG=False, CHUNK=16384, BLOCK_N=8192, SPLITS_POW2=8),
     "_softmax_fwd_looped_kernel": dict(LOG=False, BLOCK_N=16384),
@@ -79,8 +79,14 @@ def test_every_kernel_compiles(name, align):
     fn = getattr(_kernels, name)
     pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("max_ptr", "sum_ptr", "dot_ptr") else "*bf16"
                 for a in fn.arg_names if a.endswith("_ptr")}
-    for keep in ([False, True] if "KEEP_IN_L2" in fn.arg_names else [None]):
-        constexprs = KERNELS[name] | {"ALIGN": align} | ({} if keep is None else {"KEEP_IN_L2": keep})
+    variants = [{}]
+    for flag in ("KEEP_IN_L2", "PREFETCH"):
+        if flag in fn.arg_names:
+            variants = [v | {flag: on} for v in variants for on in (False, True)]
+    if "PREFETCH" in fn.arg_names:  # its loops differ between the ops (log-softmax's first reads dy alone)
+        variants = [v | {"LOG": log} for v in variants for log in (False, True)]
+    for variant in variants:
+        constexprs = KERNELS[name] | {"ALIGN": align} | variant
         compiled = testing.compile_for_sm90(fn, pointers, constexprs, num_warps=8, num_stages=3)
         assert "ld.global" in compiled.asm["ptx"]
 

@@ -206,6 +206,31 @@ def test_long_row_paths_match_reference(op_name, n_rows, n_cols, path, small_blo
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("n_cols, block_n", [(300, 64), (256, 64), (40, 64), (64, 64)])
+def test_prefetching_looped_backward_matches_reference(log, n_cols, block_n, kernel_device, seed):
+    """The backward's looped kernel with one step of prefetch (ops.BWD_L2_LOOP_LONG's rows, which
+    only CUDA plans): several steps with a masked tail (300), whole steps (256), one step (64),
+    and a row shorter than a step (40), launched directly."""
+    from kernel_lab.softmax._kernels import _softmax_bwd_looped_kernel
+
+    n_rows = 3
+    x = testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
+    ref_fwd, ref_bwd = (reference.log_softmax, reference.log_softmax_backward) if log else (
+        reference.softmax, reference.softmax_backward)
+    y = ref_fwd(x).to(x.dtype)
+    dy = testing.randn(n_rows, n_cols, dtype=x.dtype, device=kernel_device, seed=seed + 1)
+    dx = torch.full_like(dy, float("nan"))
+    _softmax_bwd_looped_kernel[(n_rows,)](
+        y, dy, dx, n_cols, n_cols, n_cols, n_cols, LOG=log, KEEP_IN_L2=True, BLOCK_N=block_n, ALIGN=1, PREFETCH=True,
+    )
+    torch_bwd = torch._softmax_backward_data if not log else torch._log_softmax_backward_data
+    baseline = torch_bwd(dy, y, -1, y.dtype)
+    testing.assert_close_to_reference(dx, ref_bwd(y, dy, -1), baseline, factor=BWD_FACTOR,
+                                      name=f"prefetching looped backward (log={log})")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
 def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device, seed):
     """Few rows just past both directions' fused limits: one program a row, the whole row in one

@@ -265,6 +265,54 @@ def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.cons
 
 
 @triton.jit
+def _load_grad_step(y_row_ptr, dy_row_ptr, off, end, NEED_Y: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVICTION: tl.constexpr):
+    """y and dy of columns [off, off + BLOCK_N) below `end`, in their own dtype (masked lanes 0);
+    y only where NEED_Y (log-softmax's reduction needs dy alone)."""
+    cols = off + tl.arange(0, BLOCK_N)
+    mask = cols < end
+    dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    if NEED_Y:
+        y = tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    else:
+        y = dy
+    return y, dy
+
+
+@triton.jit
+def _prefetched_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+                         EVICTION: tl.constexpr):
+    """_chunk_grad_dot with the next step's loads issued before the current step's math: two
+    steps of bytes in flight instead of one (the loop is not pipelined otherwise: one memory
+    round trip a step)."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, start, end, not LOG, BLOCK_N, EVICTION)
+    for off in range(start + BLOCK_N, end, BLOCK_N):
+        y, dy = y_next, dy_next
+        y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, off, end, not LOG, BLOCK_N, EVICTION)
+        acc += dy.to(tl.float32) if LOG else y.to(tl.float32) * dy.to(tl.float32)
+    acc += dy_next.to(tl.float32) if LOG else y_next.to(tl.float32) * dy_next.to(tl.float32)
+    return tl.sum(acc, axis=0) + tl.zeros([1], tl.float32)
+
+
+@triton.jit
+def _prefetched_write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr,
+                           BLOCK_N: tl.constexpr, EVICTION: tl.constexpr):
+    """_write_grad with the next step's loads issued before the current step's math and store."""
+    y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, start, end, True, BLOCK_N, EVICTION)
+    for off in range(start + BLOCK_N, end, BLOCK_N):
+        y, dy = y_next, dy_next
+        y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, off, end, True, BLOCK_N, EVICTION)
+        cols = off - BLOCK_N + tl.arange(0, BLOCK_N)
+        dx = _grad_from_dot(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
+        tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=cols < end, eviction_policy=EVICTION)
+    # the last step: the one starting at the last multiple of BLOCK_N past start below end
+    cols = start + (end - 1 - start) // BLOCK_N * BLOCK_N + tl.arange(0, BLOCK_N)
+    dx = _grad_from_dot(y_next.to(tl.float32), dy_next.to(tl.float32), dot, LOG)
+    tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=cols < end, eviction_policy=EVICTION)
+
+
+@triton.jit
 def _softmax_bwd_rows_kernel(
     y_ptr, dy_ptr, dx_ptr, n_rows, n_cols,
     stride_y_row, stride_dy_row, stride_dx_row,
@@ -333,6 +381,7 @@ def _softmax_bwd_looped_kernel(
     KEEP_IN_L2: tl.constexpr,  # as in the forward's looped kernel (rows of ops.BWD_L2_LOOP_ROW_BYTES)
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
+    PREFETCH: tl.constexpr,  # the _prefetched_* loops (ops.BWD_L2_LOOP_LONG)
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
@@ -341,9 +390,17 @@ def _softmax_bwd_looped_kernel(
     row = tl.program_id(0).to(tl.int64)
     y_row_ptr = y_ptr + row * stride_y_row
     dy_row_ptr = dy_ptr + row * stride_dy_row
-    dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "")
-    _write_grad(y_row_ptr, dy_row_ptr, dx_ptr + row * stride_dx_row, 0, n_cols, dot, LOG, BLOCK_N,
-                EVICTION="evict_first" if KEEP_IN_L2 else "")
+    dx_row_ptr = dx_ptr + row * stride_dx_row
+    if PREFETCH:
+        dot = _prefetched_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N,
+                                   EVICTION="evict_last" if KEEP_IN_L2 else "")
+        _prefetched_write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, 0, n_cols, dot, LOG, BLOCK_N,
+                               EVICTION="evict_first" if KEEP_IN_L2 else "")
+    else:
+        dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N,
+                              EVICTION="evict_last" if KEEP_IN_L2 else "")
+        _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, 0, n_cols, dot, LOG, BLOCK_N,
+                    EVICTION="evict_first" if KEEP_IN_L2 else "")
 
 
 @triton.jit

@@ -205,6 +205,16 @@ BWD_L2_LOOP_BLOCK_N = 16384
 BWD_L2_LOOP_NUM_WARPS = 8
 BWD_L2_LOOP_SHORT_BLOCK_N = 4096
 BWD_L2_LOOP_SHORT_NUM_WARPS = 16
+# Rows past WIDE_ROWS_MAX_COLS (fp16 / bf16 only: float32 rows that long exceed the L2 budget)
+# take the looped kernel with one step of prefetch (_prefetched_grad_dot / _prefetched_write_grad:
+# the next step's loads issued before the current step's math), in 8192-column steps over 16
+# warps. H100, bf16, the kernels alternated over five rounds (scratch, 2026-11-27), us: 4096 x
+# 50264 480.7 against 563.6 for the plain loop at (16384, 8), 564.2 at (16384, 16), torch.compile
+# 724.0. Shorter rows were level or slower with it (16384 x 8200: 267.4 at (4096, 8) against
+# 266.7; 4096 x 32768: 282.7 at (16384, 16) against 286.1, and the rows kernel's 271.3 ahead
+# of both); several steps of 8192 to 16384 columns over 8-16 warps were much slower (368 to
+# 430 us at 16384 x 8200: two steps of registers).
+BWD_L2_LOOP_LONG = (8192, 16)
 # Columns per loop step and warps of the looped kernels: the best of {2048..16384} x {4, 8, 16}
 # for 32k- to 128k-column bf16 rows on an H200 (the backward loads two rows per step: half).
 LOOP_BLOCK_N = 16384
@@ -290,8 +300,15 @@ def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
     BWD_L2_LOOP_ROW_BYTES; its odd rows never take it (the caller passes None for them)."""
     if n_cols * bytes_per_col > BWD_L2_LOOP_ROW_BYTES:
         return None
+    if n_cols > WIDE_ROWS_MAX_COLS:
+        return BWD_L2_LOOP_LONG  # (the launcher prefetches on these rows: _bwd_prefetch)
     return (BWD_L2_LOOP_BLOCK_N, BWD_L2_LOOP_NUM_WARPS) if n_cols >= BWD_L2_LOOP_BLOCK_N else (
         BWD_L2_LOOP_SHORT_BLOCK_N, BWD_L2_LOOP_SHORT_NUM_WARPS)
+
+
+def _bwd_prefetch(plan: _Plan, n_cols: int) -> bool:
+    """Whether the backward's looped launch prefetches (BWD_L2_LOOP_LONG's rows)."""
+    return plan.keep_in_l2 and n_cols > WIDE_ROWS_MAX_COLS
 
 
 def _make_plan(
@@ -457,7 +474,8 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     elif plan.kind == "looped":
         runtime.launchable(_softmax_bwd_looped_kernel, traceable, key)[(n_rows,)](
             y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align,
+            PREFETCH=_bwd_prefetch(plan, n_cols), num_warps=plan.num_warps,
         )
     else:
         part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
