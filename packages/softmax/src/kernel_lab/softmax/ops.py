@@ -96,6 +96,7 @@ BWD_LARGE_TILE_MIN_ELEMENTS = 1 << 26
 # 570.6 against 544.1 (32768-column steps over 32 warps), 544.7: float32 keeps its plan.
 # torch.compile's kernel at 4096 x 32768 is the looped one, 16384-column steps over 32 warps,
 # with the row length a compile-time constant; ours at that tile took 280-282 us in bf16.
+# Rows of odd length or stride (ODD_* below) keep their plans: not measured with this kernel.
 WIDE_ROWS_MAX_COLS = 32768
 WIDE_ROWS_MIN_FILL = 0.6
 FWD_WIDE_ROWS_NUM_WARPS = 32
@@ -387,8 +388,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
         return _from_rows(y2, x, dim)
     if _odd_rows(n_cols, x2.stride(0)):
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, ODD_COOP_CHUNK,
-                     ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N,
-                     FWD_WIDE_ROWS_NUM_WARPS)
+                     ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N)
     else:
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
                      COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N, FWD_WIDE_ROWS_NUM_WARPS)
@@ -454,7 +454,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     l2_loop = None if odd else _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
     rows_tile = BWD_LARGE_ROWS_TILE if n_rows * n_cols >= BWD_LARGE_TILE_MIN_ELEMENTS else BWD_ROWS_TILE
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, rows_tile, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
-                 coop_num_warps, l2_loop, 0, BWD_WIDE_ROWS_NUM_WARPS,
+                 coop_num_warps, l2_loop, 0, 0 if odd else BWD_WIDE_ROWS_NUM_WARPS,
                  max(y2.element_size(), dy2.element_size()) <= 2)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
