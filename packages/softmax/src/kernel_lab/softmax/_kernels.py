@@ -284,7 +284,7 @@ def _prefetched_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, B
                          EVICTION: tl.constexpr):
     """_chunk_grad_dot with the next step's loads issued before the current step's math: two
     steps of bytes in flight instead of one (the loop is not pipelined otherwise: one memory
-    round trip a step)."""
+    round trip a step). Needs end > start."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, start, end, not LOG, BLOCK_N, EVICTION)
     for off in range(start + BLOCK_N, end, BLOCK_N):
@@ -298,7 +298,8 @@ def _prefetched_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, B
 @triton.jit
 def _prefetched_write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr,
                            BLOCK_N: tl.constexpr, EVICTION: tl.constexpr):
-    """_write_grad with the next step's loads issued before the current step's math and store."""
+    """_write_grad with the next step's loads issued before the current step's math and store.
+    Needs end > start (the last step's columns are computed from end)."""
     y_next, dy_next = _load_grad_step(y_row_ptr, dy_row_ptr, start, end, True, BLOCK_N, EVICTION)
     for off in range(start + BLOCK_N, end, BLOCK_N):
         y, dy = y_next, dy_next
