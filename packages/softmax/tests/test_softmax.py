@@ -207,22 +207,28 @@ def test_long_row_paths_match_reference(op_name, n_rows, n_cols, path, small_blo
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("log", [False, True])
-@pytest.mark.parametrize("n_cols, block_n", [(300, 64), (256, 64), (40, 64), (64, 64)])
-def test_prefetching_looped_backward_matches_reference(log, n_cols, block_n, kernel_device, seed):
+@pytest.mark.parametrize("n_cols, block_n, pad", [(300, 64, 0), (256, 64, 0), (40, 64, 0), (64, 64, 0),
+                                                  (300, 64, 13)])
+def test_prefetching_looped_backward_matches_reference(log, n_cols, block_n, pad, kernel_device, seed):
     """The backward's looped kernel with one step of prefetch (ops.BWD_L2_LOOP_LONG's rows, which
     only CUDA plans): several steps with a masked tail (300), whole steps (256), one step (64),
-    and a row shorter than a step (40), launched directly."""
+    and a row shorter than a step (40), launched directly; pad: y and dy as views of NaN-padded
+    rows (a read past a row's end would show)."""
     from kernel_lab.softmax._kernels import _softmax_bwd_looped_kernel
 
     n_rows = 3
     x = testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
     ref_fwd, ref_bwd = (reference.log_softmax, reference.log_softmax_backward) if log else (
         reference.softmax, reference.softmax_backward)
-    y = ref_fwd(x).to(x.dtype)
-    dy = testing.randn(n_rows, n_cols, dtype=x.dtype, device=kernel_device, seed=seed + 1)
-    dx = torch.full_like(dy, float("nan"))
+    y_buf = torch.full((n_rows, n_cols + pad), float("nan"), dtype=x.dtype, device=kernel_device)
+    dy_buf = torch.full_like(y_buf, float("nan"))
+    y, dy = y_buf[:, :n_cols], dy_buf[:, :n_cols]
+    y.copy_(ref_fwd(x))
+    dy.copy_(testing.randn(n_rows, n_cols, dtype=x.dtype, device=kernel_device, seed=seed + 1))
+    dx = torch.full((n_rows, n_cols), float("nan"), dtype=x.dtype, device=kernel_device)
     _softmax_bwd_looped_kernel[(n_rows,)](
-        y, dy, dx, n_cols, n_cols, n_cols, n_cols, LOG=log, KEEP_IN_L2=True, BLOCK_N=block_n, ALIGN=1, PREFETCH=True,
+        y, dy, dx, n_cols, y.stride(0), dy.stride(0), n_cols, LOG=log, KEEP_IN_L2=True, BLOCK_N=block_n, ALIGN=1,
+        PREFETCH=True,
     )
     torch_bwd = torch._softmax_backward_data if not log else torch._log_softmax_backward_data
     baseline = torch_bwd(dy, y, -1, y.dtype)
@@ -245,6 +251,8 @@ def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device,
     x = testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
     x[1, ::3] = float("-inf")
     check_forward_and_backward(op_name, x, seed=seed)
+    x[0] = float("-inf")  # fully masked row
+    check_forward_in_place_and_strided(op_name, x, "wide rows forward")
 
 
 @pytest.mark.gpu
