@@ -236,6 +236,15 @@ def test_prefetching_looped_backward_matches_reference(log, n_cols, block_n, pad
                                       name=f"prefetching looped backward (log={log})")
 
 
+def check_wide_rows(op_name, x, seed):
+    """Forward and backward of x with -inf entries in row 1, then the forward in place and
+    strided with row 0 fully masked too (the wide rows tests)."""
+    x[1, ::3] = float("-inf")
+    check_forward_and_backward(op_name, x, seed=seed)
+    x[0] = float("-inf")  # fully masked row
+    check_forward_in_place_and_strided(op_name, x, "wide rows forward")
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
 def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device, seed):
@@ -248,11 +257,8 @@ def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device,
                          wide_warps)
         assert (plan.kind, plan.block_m, plan.block_n, plan.num_warps) == ("rows", 1, ops.WIDE_ROWS_MAX_COLS,
                                                                            wide_warps)
-    x = testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
-    x[1, ::3] = float("-inf")
-    check_forward_and_backward(op_name, x, seed=seed)
-    x[0] = float("-inf")  # fully masked row
-    check_forward_in_place_and_strided(op_name, x, "wide rows forward")
+    check_wide_rows(op_name, testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed,
+                                           scale=4.0), seed)
 
 
 @pytest.mark.gpu
@@ -264,11 +270,7 @@ def test_wide_rows_on_gpu_match_reference(op_name, n_rows, n_cols, dtype, seed):
     tails of 12768 and 8200 columns), float32 rows included (the backward holds two of them in
     registers: a spill would be slow, not wrong, but a row the compiler cannot place would fail
     to compile)."""
-    x = testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0)
-    x[1, ::5] = float("-inf")
-    check_forward_and_backward(op_name, x, seed=seed)
-    x[0] = float("-inf")  # fully masked row
-    check_forward_in_place_and_strided(op_name, x, "wide rows forward")
+    check_wide_rows(op_name, testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed, scale=4.0), seed)
 
 
 @pytest.mark.interpret

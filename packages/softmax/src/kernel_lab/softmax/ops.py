@@ -91,7 +91,7 @@ BWD_LARGE_TILE_MIN_ELEMENTS = 1 << 26
 # row fills at least WIDE_ROWS_MIN_FILL of its power-of-two block. Same method, us, against the
 # looped kernel at its best tile and torch.compile: 4096 x 32768 271.8 against 279.4, 265.2
 # (fp16 271.2, 280.6, 264.8); 8192 x 16384 263.4, 264.6, 264.8; 2560 x 24576 126.0, 128.3,
-# 133.2; 6400 x 20000 (61% full) 256.1, 259.5, torch.compile not timed; 8192 x 12288 198.6,
+# 133.2; 6400 x 20000 (61% full) 256.1, 259.5, 284.6; 8192 x 12288 198.6,
 # 201.1, 199.3; but 16384 x 8200 (50% full) 298.6 against 264.9, 263.3. float32 4096 x 32768:
 # 570.6 against 544.1 (32768-column steps over 32 warps), 544.7: float32 keeps its plan.
 # torch.compile's kernel at 4096 x 32768 is the looped one, 16384-column steps over 32 warps,
@@ -323,10 +323,10 @@ def _make_plan(
     on_gpu = device.type == "cuda" and not runtime.interpret_mode()
     sm_count = runtime.sm_count(device)
     few_rows = n_rows < L2_LOOP_MIN_ROWS_PER_SM * sm_count
-    wide = _Plan("rows", block_n=runtime.next_power_of_2(n_cols), num_warps=wide_rows_warps)
+    wide_block_n = runtime.next_power_of_2(n_cols)
     if wide_rows_warps and n_cols <= WIDE_ROWS_MAX_COLS and (
-            few_rows or (wide_rows_first and n_cols >= WIDE_ROWS_MIN_FILL * wide.block_n)):
-        return wide
+            few_rows or (wide_rows_first and n_cols >= WIDE_ROWS_MIN_FILL * wide_block_n)):
+        return _Plan("rows", block_n=wide_block_n, num_warps=wide_rows_warps)
     if on_gpu and l2_loop is not None and not few_rows:
         return _Plan("looped", block_n=l2_loop[0], num_warps=l2_loop[1], keep_in_l2=True)
     n_chunks = runtime.cdiv(n_cols, coop_chunk)
