@@ -14,6 +14,7 @@ import torch
 import kernel_lab.norms.ops as ops
 from kernel_lab.norms import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
 from kernel_lab.shared import coop, reference, runtime, testing
+from kernel_lab.shared.vector_hints import vector_alignment
 
 # nox runs pytest with --import-mode=importlib, which leaves this folder off sys.path
 sys.path.insert(0, str(Path(__file__).parent))
@@ -164,6 +165,24 @@ def test_layer_norm_with_one_affine_parameter(present, long_rows, small_blocks, 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_cols, long_rows", [(40, False), (200, True)])
+def test_rows_of_a_multiple_of_8_columns_match_reference(op, n_cols, long_rows, small_blocks, kernel_device, seed):
+    """bf16 rows whose length and stride are multiples of 8 but not of 16: the launchers pass
+    ALIGN=8 (ops._row_alignment) and every kernel rewrites the length and strides with that
+    factor (kernel_lab.shared.vector_hints). One tile, and long rows (the looped forward and the
+    wide backward here, the cooperative kernels on CUDA); rows 8 columns apart in NaN padding."""
+    if long_rows:
+        small_blocks(64, 32)
+    inputs = make_inputs(op, (9, n_cols), torch.bfloat16, kernel_device, seed, shift=2.0 if op == "layer_norm" else 0.0)
+    for k in ("x", "residual", "gate"):
+        if k in inputs:
+            inputs[k] = testing.strided_rows(inputs[k], pad=8)
+    assert ops._row_alignment(n_cols, (n_cols + 8,), inputs["x"]) == 8
+    check_op(op, inputs, eps=1e-5, seed=seed, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("n_rows, n_cols", [(9, 300), (3, 65)])
 def test_long_row_paths_match_reference(op, n_rows, n_cols, small_blocks, kernel_device, seed):
     # rows longer than 64 columns loop in 32-column steps (masked tails included) in the forward
@@ -196,12 +215,13 @@ def test_cooperative_backward_kernels_walk_their_rows(op, kernel_device, seed):
     dy[4] = 0
     dx = torch.empty_like(x)
     work = coop.workspace(n_rows, 1, x.device)
+    align = vector_alignment(x.element_size(), n_cols)  # as the launchers compute it
     if op == "layer_norm":
         mean, rstd = (t.float().contiguous() for t in reference.layer_norm_stats(x, 1e-5))
         partial = torch.empty(2, n_groups, n_cols, device=kernel_device)
         ops._layer_norm_bwd_coop_kernel[(n_groups,)](
             dy, x, w, mean, rstd, dx, partial, n_rows, n_cols, rows_per_group, n_cols, n_cols, n_cols, work, 1,
-            HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=chunk, SPLITS_POW2=1, num_warps=1)
+            HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=chunk, SPLITS_POW2=1, ALIGN=align, num_warps=1)
         got = {"dx": dx, "dw": partial[0].sum(0), "db": partial[1].sum(0)}
         expected = dict(zip(("dx", "dw", "db"), reference.layer_norm_backward(dy, x, w, b, 1e-5), strict=True))
         same_precision = reference.layer_norm_backward(dy, x, w, b, 1e-5, compute_dtype=torch.float32)
@@ -213,7 +233,7 @@ def test_cooperative_backward_kernels_walk_their_rows(op, kernel_device, seed):
             dy, x, x, w, rstd, du_or_dx, dx, dx, partial, n_rows, n_cols, 0.0, rows_per_group,
             n_cols, n_cols, n_cols, n_cols, n_cols, n_cols, work, 1,
             HAS_WEIGHT=True, HAS_GATE=False, HAS_DU=op == "residual_rms_norm", CHUNK=chunk, SPLITS_POW2=1,
-            num_warps=1)
+            ALIGN=align, num_warps=1)
         got = {"dx": dx, "dw": partial.sum(0)}
         ref_dx, ref_dw = reference.rms_norm_backward(dy, x, w, 1e-6)
         base_dx, base_dw = reference.rms_norm_backward(dy, x, w, 1e-6, compute_dtype=torch.float32)
@@ -365,6 +385,20 @@ def test_zero_size_inputs(op, shape, kernel_device, seed):
 def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,
                          shift=2.0 if op == "layer_norm" else 0.0)
+    check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n_rows, n_cols", [(300, 4100), (64, 17000), (8, 65544)])
+def test_rows_of_a_multiple_of_8_columns_read_in_vectors_match_reference(op, n_rows, n_cols, seed):
+    """bf16 rows whose length and stride are multiples of 8 but not of 16, read 16 bytes at a time
+    (ALIGN=8): one tile, and the cooperative forward and backward; rows 8 columns apart in NaN
+    padding, so that a vector reaching past a row shows."""
+    inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, shift=2.0 if op == "layer_norm" else 0.0)
+    for k in ("x", "residual", "gate"):
+        if k in inputs:
+            inputs[k] = testing.strided_rows(inputs[k], pad=8)
     check_op(op, inputs, eps=1e-5, seed=seed)
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernel_lab.shared.coop import coop_publish_and_gather, coop_ticket, coop_word_hi, coop_word_lo
+from kernel_lab.shared.vector_hints import multiple_of
 
 # FLOAT_ARGUMENTS_NOTE: inductor passes a Python float argument (eps, offset) to a user kernel
 # as float64, where an eager launch passes float32; float64 scalars would promote the per-element
@@ -113,7 +114,14 @@ def _rms_norm_fwd_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= n_cols: the row is held in registers, read once
     BLOCK_M: tl.constexpr,  # rows per program (ONE_TILE only)
     BLOCK_N: tl.constexpr,  # columns per tile: next power of two >= n_cols, or the loop step
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_res_row = multiple_of(stride_res_row, ALIGN)
+    stride_gate_row = multiple_of(stride_gate_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_u_row = multiple_of(stride_u_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
     if ONE_TILE:
@@ -181,18 +189,26 @@ def _rms_norm_fwd_coop_kernel(
     CHUNK: tl.constexpr,  # columns per program
     BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
     """The forward of a row too long for one program, in one launch (CUDA only): each program
     takes one CHUNK of a row (kernel_lab.shared.coop), sums its squares, publishes the sum,
     waits for the row's other chunks and writes its chunk. It reads the chunk twice, the first
     time keeping the lines in L2 (evict_last) so that the second read comes from there: x (and
     the residual) leave HBM once."""
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_res_row = multiple_of(stride_res_row, ALIGN)
+    stride_gate_row = multiple_of(stride_gate_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
+    stride_u_row = multiple_of(stride_u_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
     row, split = coop_ticket(sync_ptr, n_splits)
     rows = row + tl.arange(0, 1)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_cols)
+    tl.static_assert(CHUNK % ALIGN == 0)
+    end = multiple_of(tl.minimum(start + CHUNK, n_cols), ALIGN)
     # each step's sum of squares reduced at once (the looped kernel's elementwise accumulator
     # would hold BLOCK_N more float32 values a program: fewer programs per SM; a scratch H200
     # sweep of this design at 1024 x 65536: 92.2 against 83.7 us)
@@ -280,7 +296,15 @@ def _rms_norm_bwd_kernel(
     HAS_DU: tl.constexpr,  # add the incoming gradient of u = x + residual to dx
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_gate_row = multiple_of(stride_gate_row, ALIGN)
+    stride_du_row = multiple_of(stride_du_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
+    stride_dgate_row = multiple_of(stride_dgate_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
@@ -321,7 +345,15 @@ def _rms_norm_bwd_wide_kernel(
     HAS_GATE: tl.constexpr,
     HAS_DU: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns per loop step
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_gate_row = multiple_of(stride_gate_row, ALIGN)
+    stride_du_row = multiple_of(stride_du_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
+    stride_dgate_row = multiple_of(stride_dgate_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     offset = tl.cast(offset, tl.float32)
     pid = tl.program_id(0)
@@ -377,6 +409,7 @@ def _rms_norm_bwd_coop_kernel(
     HAS_DU: tl.constexpr,
     CHUNK: tl.constexpr,  # columns per program
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
     """The backward of rows too long for one program, x and dy read from HBM once (CUDA only).
 
@@ -386,6 +419,13 @@ def _rms_norm_bwd_coop_kernel(
     the other chunks' parts and writes its chunk of dx, reading the chunk again for that (from
     L2: the first read keeps its lines there); dweight of its columns stays in registers across
     the rows and is written once, a row of the (n_groups, n_cols) partial sums."""
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_gate_row = multiple_of(stride_gate_row, ALIGN)
+    stride_du_row = multiple_of(stride_du_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
+    stride_dgate_row = multiple_of(stride_dgate_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     offset = tl.cast(offset, tl.float32)
     group, split = coop_ticket(sync_ptr, n_splits)
@@ -474,7 +514,11 @@ def _layer_norm_fwd_kernel(
     ONE_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps = tl.cast(eps, tl.float32)
     if ONE_TILE:
@@ -521,15 +565,20 @@ def _layer_norm_fwd_coop_kernel(
     CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
     """As _rms_norm_fwd_coop_kernel, for LayerNorm: a chunk publishes its mean and m2, merged
     over the row's chunks with the parallel Welford formula."""
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_y_row = multiple_of(stride_y_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps = tl.cast(eps, tl.float32)
     row, split = coop_ticket(sync_ptr, n_splits)
     rows = row + tl.arange(0, 1)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_cols)
+    tl.static_assert(CHUNK % ALIGN == 0)
+    end = multiple_of(tl.minimum(start + CHUNK, n_cols), ALIGN)
     chunk_mean, chunk_m2 = _layer_norm_range_stats(x_ptr, rows, start, end, stride_x_row, BLOCK_N, "evict_last")
     # m2 (>= 0) goes with its sign bit set, which keeps the word non-zero where the chunk's mean
     # and m2 are both +0.0 (a bit operation: -m2 would be 0.0 - m2, +0.0 again)
@@ -632,7 +681,12 @@ def _layer_norm_bwd_kernel(
     REREAD: tl.constexpr,  # touch each tile twice (wide rows, off CUDA) instead of prefetching the next
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -689,7 +743,12 @@ def _layer_norm_bwd_wide_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
@@ -738,12 +797,17 @@ def _layer_norm_bwd_coop_kernel(
     HAS_BIAS: tl.constexpr,
     CHUNK: tl.constexpr,  # columns per program
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
+    ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
 ):
     """LayerNorm's backward of rows too long for one program, as _rms_norm_bwd_coop_kernel's
     except in two points: a chunk's word carries two parts, sum(g * xhat) (lo) and sum(g) (hi),
     and the loop holds its chunk and loads the next row's before the wait (the one-tile kernel's
     prefetch) instead of reading it twice (H200 sweep at 2048-column chunks over 2 warps, 1024 x
     65536 bf16: 171 against 242-284 us rereading)."""
+    n_cols = multiple_of(n_cols, ALIGN)
+    stride_dy_row = multiple_of(stride_dy_row, ALIGN)
+    stride_x_row = multiple_of(stride_x_row, ALIGN)
+    stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     group, split = coop_ticket(sync_ptr, n_splits)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     row_start = group * rows_per_group
