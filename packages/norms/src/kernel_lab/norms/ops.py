@@ -346,8 +346,8 @@ def _row_alignment(n_cols: int, strides: tuple, *rows: torch.Tensor | None) -> i
     """The ALIGN constexpr of a launch over these (rows, n_cols) tensors (None: absent): the power
     of two dividing the row length and every row stride, up to one 16-byte vector of the narrowest
     dtype (kernel_lab.shared.vector_hints). Without it rows whose length is not a multiple of 16
-    compile to 2-byte accesses: on an H100, rms_norm forward at 4096 x 17000 bf16 took 321 us
-    against torch.compile's 96 (scratch, 2026-11-27)."""
+    compile to 2-byte accesses: on an H100, rms_norm forward at 4096 x 17000 bf16 took 321.2 us
+    without against 107.5 with it, torch.compile 108.6 (scratch, 2026-11-27; CHANGELOG 0.1.18)."""
     return vector_alignment(min(t.element_size() for t in rows if t is not None), n_cols, *strides)
 
 
