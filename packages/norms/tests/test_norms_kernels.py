@@ -81,6 +81,31 @@ def test_cooperative_backward_grid_fits_the_gpu(plan, element_size, monkeypatch)
     assert ops._bwd_coop_groups(1024, 65536, element_size, cuda, c)[0] == 0
 
 
+def test_layer_norm_backward_takes_the_cooperative_kernel_for_sparse_rows(monkeypatch):
+    """LayerNorm's backward on CUDA (a 132-SM GPU, no GPU needed): 16-bit rows of 4097-8192
+    columns that fill at most 75% of their power-of-two block (4608, 5120, 6144) are cooperative,
+    fuller ones (7168, 8192) and rows of at most 4096 columns one tile; float32 rows keep the
+    one-tile kernel up to 8192 columns. Two rows a program only at exactly 4096 columns."""
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ops.runtime, "interpret_mode", lambda: False)
+    cuda = torch.device("cuda", 0)
+
+    def cooperative(n_cols, element_size):
+        c = ops._layer_norm_bwd_coop_plan(n_cols, element_size)
+        return ops._bwd_coop_groups(4096, n_cols, element_size, cuda, c)[0] > 0
+
+    assert [n for n in (2560, 4096, 4097, 4608, 5120, 6144, 6145, 7168, 8192, 8193, 12288)
+            if cooperative(n, 2)] == [4097, 4608, 5120, 6144, 8193, 12288]
+    assert [n for n in (4608, 6144, 8192, 8193) if cooperative(n, 4)] == [8193]
+
+    def rows_per_program(n_cols):
+        t = ops._bwd_tile(4096, n_cols, ops.LAYER_NORM_BWD_MAX_FUSED_COLS, ops.LAYER_NORM_WIDE, ops.LAYER_NORM_BWD,
+                          ops.LAYER_NORM_BWD_TILE_ELEMENTS.get(n_cols))
+        return t.block_m
+
+    assert [rows_per_program(n) for n in (2560, 3072, 4000, 4096)] == [1, 1, 1, 2]
+
+
 # --- interpret tier ------------------------------------------------------------------------------
 
 
@@ -386,6 +411,22 @@ def test_llm_sizes_match_reference(op, n_rows, n_cols, weight_dtype, seed):
     inputs = make_inputs(op, (n_rows, n_cols), torch.bfloat16, "cuda", seed, weight_dtype=weight_dtype,
                          shift=2.0 if op == "layer_norm" else 0.0)
     check_op(op, inputs, eps=1e-5, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows, n_cols, dtype",
+                         [(1000, 5120, torch.bfloat16), (37, 4609, torch.float16), (300, 6144, torch.bfloat16)])
+def test_layer_norm_backward_of_sparse_rows_matches_reference(n_rows, n_cols, dtype, seed):
+    """LayerNorm rows of 4097-6144 columns (at most 75% of their 8192 block) take the cooperative
+    backward on CUDA: an odd length, strided rows in NaN padding, a row of zero gradients."""
+    cuda = torch.device("cuda")
+    c = ops._layer_norm_bwd_coop_plan(n_cols, dtype.itemsize)
+    assert ops._bwd_coop_groups(n_rows, n_cols, dtype.itemsize, cuda, c)[0] == runtime.cdiv(n_cols, c.chunk)
+    inputs = make_inputs("layer_norm", (n_rows, n_cols), dtype, "cuda", seed, shift=2.0)
+    inputs["x"] = testing.strided_rows(inputs["x"], pad=7)
+    grad_mask = torch.ones(n_rows, 1, dtype=dtype, device="cuda")
+    grad_mask[3] = 0
+    check_op("layer_norm", inputs, eps=1e-5, seed=seed, grad_mask=grad_mask)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ backward launcher (flags select residual and gate), LayerNorm has its own pair.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -117,7 +118,11 @@ LONG_ROW_RMS_BWD = _BwdPlan(32, 16384, 16)
 RESIDUAL_RMS_BWD_LONG_FROM = 8192
 GATED_RMS_BWD_LONG_FROM = 16384
 LAYER_NORM_BWD = _BwdPlan(16, 2048, 16)
-# ... except LayerNorm rows of 4096 columns: two rows a program were 9% faster than one.
+# ... except LayerNorm rows of exactly 4096 columns: two rows a program were 9% faster than one
+# (H200 sweep). Keyed by the row length, not its power-of-two block: rows of 2049-4095 columns
+# were 21-29% slower with two rows than with one on an H100 (bf16, 2**26 elements, launcher-
+# equivalent calls with the partial sums, five alternated rounds, scratch, 2026-11-27), us, one
+# row against two: 2560 173.0 / 244.2, 3072 161.5 / 222.4, 3584 155.2 / 206.2, 4000 155.5 / 196.8.
 LAYER_NORM_BWD_TILE_ELEMENTS = {4096: 8192}
 # LayerNorm rows past LAYER_NORM_BWD_PREFETCH_MAX_COLS (the rereading kernel, where the
 # cooperative one does not run): 8 warps, one program per SM (H100 sweep: see
@@ -245,6 +250,16 @@ class _CoopBwd:
 RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (8, 8))
 RESIDUAL_RMS_BWD_COOP = _CoopBwd(BWD_MAX_FUSED_COLS, 2048, 2, (6, 6))
 LAYER_NORM_BWD_COOP = _CoopBwd(LAYER_NORM_BWD_PREFETCH_MAX_COLS, 1024, 1, (8, 8))
+# LayerNorm rows of 4097-8192 columns that fill at most LAYER_NORM_BWD_COOP_MAX_FILL of their
+# power-of-two block (4608 Gemma-2-27B, 5120 Qwen2.5-14B, 6144) take the cooperative kernel too:
+# the one-tile kernel's 8192-column tile holds them and its dweight / dbias accumulators at that
+# width, masked lanes included, one program an SM. H100 sweep as above, us, cooperative against
+# one tile: 4608 191.2 / 221.1 (185.8 / 216.4 in a first run), 5120 185.2 / 207.7 (179.0 /
+# 208.2), 6144 180.8 / 190.7 (178.7 / 189.7); but 7168 188.8 / 182.4, 7680 201.2 / 170.9, 8000
+# 187.9 / 170.8, and 8192 192.6 / 171.7. Rows of 2049-4095 columns stay on one tile (2560:
+# 189.8 against 173.0). 16-bit rows only: float32 ones were not measured.
+LAYER_NORM_BWD_COOP_FROM = 4096
+LAYER_NORM_BWD_COOP_MAX_FILL = 0.75
 
 
 def _bwd_coop_groups(n_rows: int, n_cols: int, element_size: int, device: torch.device,
@@ -651,12 +666,23 @@ def layer_norm_bwd(
     return dx, dw, db
 
 
+def _layer_norm_bwd_coop_plan(n_cols: int, element_size: int) -> _CoopBwd:
+    """LAYER_NORM_BWD_COOP, taking rows from LAYER_NORM_BWD_COOP_FROM columns where they fill at
+    most LAYER_NORM_BWD_COOP_MAX_FILL of their power-of-two block (16-bit rows: float32 ones
+    were not measured)."""
+    c = LAYER_NORM_BWD_COOP
+    if element_size <= 2 and n_cols <= LAYER_NORM_BWD_COOP_MAX_FILL * runtime.next_power_of_2(n_cols):
+        c = dataclasses.replace(c, above_cols=min(c.above_cols, LAYER_NORM_BWD_COOP_FROM))
+    return c
+
+
 def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = False,
                            plan: tuple | None = None) -> tuple:
     """What `layer_norm_bwd` launches for these shapes: (launch, shape of the partial sums or
     None without parameters, integer arguments after n_cols, kind), kind as in `_rms_bwd_recipe`.
     On CUDA the cooperative kernel takes the rows that the one-tile kernel would reread
-    (LAYER_NORM_BWD_COOP.above_cols = LAYER_NORM_BWD_PREFETCH_MAX_COLS) and longer ones."""
+    (LAYER_NORM_BWD_COOP.above_cols = LAYER_NORM_BWD_PREFETCH_MAX_COLS) and longer ones, and rows
+    past LAYER_NORM_BWD_COOP_FROM that fill at most LAYER_NORM_BWD_COOP_MAX_FILL of their block."""
     n_rows, n_cols = x2.shape
     # one (n_programs, n_cols) slab of partial sums per parameter present, dweight's first
     n_params = (weight is not None) + has_bias
@@ -666,19 +692,18 @@ def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = Fa
 
     strides = (dy2.stride(0), x2.stride(0), n_cols)  # dx: fresh and contiguous
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, ALIGN=_row_alignment(n_cols, strides, dy2, x2))
-    n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device,
-                                                          LAYER_NORM_BWD_COOP)
+    c = _layer_norm_bwd_coop_plan(n_cols, max(x2.element_size(), dy2.element_size()))
+    n_splits, n_groups, rows_per_group = _bwd_coop_groups(n_rows, n_cols, x2.element_size(), x2.device, c)
     if n_splits:
         launch = functools.partial(
             runtime.launchable(_layer_norm_bwd_coop_kernel, traced, plan)[(n_groups * n_splits,)], **flags,
-            CHUNK=LAYER_NORM_BWD_COOP.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits),
-            num_warps=LAYER_NORM_BWD_COOP.num_warps,
+            CHUNK=c.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits), num_warps=c.num_warps,
         )
         return launch, partial_shape(n_groups), (rows_per_group, *strides, n_splits), "coop"
     reread = runtime.next_power_of_2(n_cols) > LAYER_NORM_BWD_PREFETCH_MAX_COLS
     bwd_plan = LAYER_NORM_BWD_REREAD if reread else LAYER_NORM_BWD
     t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, bwd_plan,
-                  LAYER_NORM_BWD_TILE_ELEMENTS.get(runtime.next_power_of_2(n_cols)))
+                  LAYER_NORM_BWD_TILE_ELEMENTS.get(n_cols))
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, bwd_plan)
     if t.one_tile:
         launch = functools.partial(runtime.launchable(_layer_norm_bwd_kernel, traced, plan)[(n_programs,)],
