@@ -100,7 +100,7 @@ def test_layer_norm_backward_takes_the_cooperative_kernel_for_sparse_rows(monkey
 
     def rows_per_program(n_cols):
         t = ops._bwd_tile(4096, n_cols, ops.LAYER_NORM_BWD_MAX_FUSED_COLS, ops.LAYER_NORM_WIDE, ops.LAYER_NORM_BWD,
-                          ops.LAYER_NORM_BWD_TILE_ELEMENTS.get(n_cols))
+                          ops._layer_norm_bwd_tile_elements(n_cols))
         return t.block_m
 
     assert [rows_per_program(n) for n in (2560, 3072, 4000, 4096)] == [1, 1, 1, 2]

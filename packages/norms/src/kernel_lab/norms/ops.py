@@ -666,6 +666,13 @@ def layer_norm_bwd(
     return dx, dw, db
 
 
+def _layer_norm_bwd_tile_elements(n_cols) -> int | None:
+    """LAYER_NORM_BWD_TILE_ELEMENTS' entry for this row length, or None. By comparison, not a
+    dict lookup: under torch.compile with dynamic shapes n_cols is a SymInt, which is unhashable
+    (a comparison only adds a guard)."""
+    return next((tile for cols, tile in LAYER_NORM_BWD_TILE_ELEMENTS.items() if n_cols == cols), None)
+
+
 def _layer_norm_bwd_coop_plan(n_cols: int, element_size: int) -> _CoopBwd:
     """LAYER_NORM_BWD_COOP, taking rows from LAYER_NORM_BWD_COOP_FROM columns where they fill at
     most LAYER_NORM_BWD_COOP_MAX_FILL of their power-of-two block (16-bit rows: float32 ones
@@ -703,7 +710,7 @@ def _layer_norm_bwd_recipe(dy2, x2, weight, has_bias: bool, *, traced: bool = Fa
     reread = runtime.next_power_of_2(n_cols) > LAYER_NORM_BWD_PREFETCH_MAX_COLS
     bwd_plan = LAYER_NORM_BWD_REREAD if reread else LAYER_NORM_BWD
     t = _bwd_tile(n_rows, n_cols, LAYER_NORM_BWD_MAX_FUSED_COLS, LAYER_NORM_WIDE, bwd_plan,
-                  LAYER_NORM_BWD_TILE_ELEMENTS.get(n_cols))
+                  _layer_norm_bwd_tile_elements(n_cols))
     n_programs, rows_per_program = _bwd_programs(t, n_rows, x2.device, LAYER_NORM_WIDE, bwd_plan)
     if t.one_tile:
         launch = functools.partial(runtime.launchable(_layer_norm_bwd_kernel, traced, plan)[(n_programs,)],
