@@ -57,16 +57,15 @@ CASES = {
                                       scale_a_ptr="*fp32", scale_b_ptr="*fp32"),
                dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=True, BLOCK_M=16,
                     BLOCK_N=64, BLOCK_K=256, GROUP_M=1, stride_ak=1, stride_bk=1, stride_cn=1), 4, 3),
-    "int8-decode": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
-                                                     zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
-                    dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
-                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1, stride_cn=1,
-                         stride_sg=1), 4, 3),
+    "int8-decode": ("_weight_only_decode_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
+                                                       zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
+                    dict(BITS=8, HAS_ZEROS=False, PER_CHANNEL=True, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
+                         SLICES=2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, stride_xk=1, stride_qk=1, stride_cn=1,
+                         stride_sg=1), 2, 4),
     "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                       zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
-                     dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=False, SWAP_AB=False,
-                          USE_PRMT=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1,
-                          stride_cn=1, stride_sg=1), 8, 3),
+                     dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, USE_PRMT=True, BLOCK_M=128, BLOCK_N=128,
+                          BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 8, 3),
 }  # fmt: skip
 
 
@@ -97,22 +96,22 @@ def test_relu_epilogue_keeps_nan():
 
 
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp16"])
-@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 8)])
-def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n, num_warps):
+@pytest.mark.parametrize("slices", [1, 4])
+def test_int4_dequantization_stays_within_the_issue_budget(x_type, slices):
     """int4 decode moves half a byte per weight: at an H200's copy bandwidth (about 4.2 TB/s) that
     is 8.4e12 weights/s, or 32 per SM per cycle over 132 SMs at 1.98 GHz; with 128 lanes per SM
     about 4 instructions per weight can issue. Converting each code with I2F plus byte shuffles
-    took 9.8 per weight in the K loop, so the loop was bound by instruction issue; the
-    magic-number form takes 5-6.5. Counted over one 128-key step of the decode kernel (swapped
-    operands) in the launcher's tile (ops.QUANT_TILES: 128 columns, 8 warps) and the earlier one."""
+    took 9.8 per weight in the K loop; the magic-number form (_int4_weights) takes 5-6.5.
+    Counted over one 128-column step of the decode kernel in the launcher's tile (16 weight rows,
+    one warp a K slice, group 128)."""
     from kernel_lab.gemm import _kernels
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
-    constexprs = dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
-                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
-    compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, num_warps, 3)
+    constexprs = dict(BITS=4, HAS_ZEROS=False, PER_CHANNEL=False, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
+                      SLICES=slices, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, stride_xk=1, stride_qk=1)
+    compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, slices, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
-    weights_per_thread = block_n * 128 / (num_warps * 32)
+    weights_per_thread = 16 * 128 / 32  # a warp a slice
     per_weight = len(loop) / weights_per_thread
     # (I2F.RP is the reciprocal of the integer division by the group size, once a step)
     assert not any(i.startswith("I2F") and not i.startswith("I2F.RP") for i in loop), "codes converted (I2F)"
@@ -120,20 +119,21 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, block_n, num_
 
 
 @pytest.mark.parametrize("codes,has_zeros", [("*i8", False), ("*u8", True)])
-def test_int8_decode_converts_no_code_with_i2f(codes, has_zeros):
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_int8_decode_converts_no_code_with_i2f(codes, has_zeros, per_channel):
     """The weight-only int8 decode kernel turns codes into floats by a byte permute
     (_biased_code_floats), not I2F, which issues at a quarter of the FMA rate on Hopper: at about
     16 codes per SM per cycle, as many as an H200 reads, it held the M = 16 decode back."""
     from kernel_lab.gemm import _kernels
 
     pointers = dict(x_ptr="*bf16", q_ptr=codes, scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16")
-    constexprs = dict(BITS=8, HAS_ZEROS=has_zeros, HAS_BIAS=False, WRITE_PARTIAL=True, SWAP_AB=True, USE_PRMT=True,
-                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, stride_xk=1, stride_qk=1)
-    compiled = compile_for_sm90(_kernels._quantized_matmul_kernel, pointers, constexprs, 4, 3)
+    constexprs = dict(BITS=8, HAS_ZEROS=has_zeros, PER_CHANNEL=per_channel, HAS_BIAS=False, WRITE_PARTIAL=True,
+                      USE_PRMT=True, SLICES=2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, stride_xk=1, stride_qk=1)
+    compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, 2, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
-    codes_per_thread = 64 * 128 // (4 * 32)
-    # (I2F.RP: the reciprocal of the integer division by the group size; with zero points, the
-    # row's zero point is converted once a step, a few per thread)
+    codes_per_thread = 16 * 128 // 32  # a warp a slice
+    # (I2F.RP: the reciprocal of the integer division by the group size; with group-wise zero
+    # points, each row's zero point is converted once a step, a few per thread)
     i2f = sum(i.startswith("I2F") and not i.startswith("I2F.RP") for i in loop)
     assert i2f <= codes_per_thread // 16, f"{i2f} I2F for {codes_per_thread} codes a thread in the K loop"
     assert sum(i.startswith("PRMT") for i in loop) >= codes_per_thread, "codes not permuted into floats"

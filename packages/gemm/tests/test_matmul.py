@@ -138,20 +138,6 @@ def test_decode_shape_uses_split_k_under_the_interpreter_plan():
     assert plan.split_k * plan.k_per_split >= 70 > (plan.split_k - 1) * plan.k_per_split
 
 
-@pytest.mark.parametrize("bits,n,k,split", [(4, 4096, 4096, 4), (4, 14336, 4096, 2), (4, 4096, 14336, 8),
-                                           (8, 6144, 4096, 4), (8, 14336, 4096, 2)])
-def test_weight_only_decode_plan_splits_as_swept(monkeypatch, bits, n, k, split):
-    """The K split of the weight-only decode kernel at M = 16 on a 132-SM GPU (the H200 sweep's
-    fastest, see ops.QUANT_TILES): programs per SM x SMs // tiles, capped by the partials'
-    traffic. Host arithmetic only: the SM count is the H200's, no GPU needed."""
-    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
-    block_n = ops.QUANT_TILES[bits][0]
-    weight_bytes = n * k * bits // 8
-    plan = ops._skinny_plan(16, n, k, torch.device("cuda", 0), 128, block_n=block_n, quantized_bytes=weight_bytes,
-                            bits=bits)
-    assert (plan.block_m, plan.block_n, plan.split_k) == (16, block_n, split)
-
-
 # --- interpret tier: the real kernels on small odd shapes --------------------------------------
 
 # (1, 31, 70): the one-row GEMV with b = w.t() (b_layout "col"), split-K decode otherwise; (2, 31, 70):

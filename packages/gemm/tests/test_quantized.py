@@ -154,6 +154,49 @@ def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bit
     check_quantized(x, qw, bias)
 
 
+# (m, n, k) and whether the interpreter's plan (4 stand-in SMs, 32-column steps) cuts K into
+# slices or splits it across programs: eight slices in two programs; two slices in two programs,
+# the second program's last slice empty; four slices in two programs at M = 64, three of the
+# second's empty; int8: four slices of three steps each, the group changing from step to step
+# (int4: eight slices in two programs); int8: one slice, no split (int4: two slices).
+DECODE_PLANS = [((2, 16, 512), True), ((16, 40, 96), True), ((64, 24, 160), True), ((3, 48, 384), True),
+                ((5, 300, 64), False)]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,group_size,symmetric",
+                         [(8, None, True), (8, 32, False), (4, 32, True), (4, None, False)])
+@pytest.mark.parametrize("shape,sliced", DECODE_PLANS, ids=[f"{m}x{n}x{k}" for (m, n, k), _ in DECODE_PLANS])
+def test_weight_only_decode_slices_and_splits(kernel_device, seed, bits, group_size, symmetric, shape, sliced):
+    """The decode kernel cuts each program's K range into slices, one a warp, summed after the
+    loop, and K across programs where the slices alone leave SMs idle (a reduce launch): slices
+    that end past K, empty ones, group-wise and per-channel scales, zero points, bias."""
+    from kernel_lab.gemm import ops
+
+    m, n, k = shape
+    plan = ops._weight_only_plan(m, n, k, bits, group_size or k, torch.device(kernel_device))
+    assert plan.slices > 1 or plan.split_k > 1 or not sliced
+    x = testing.randn(m, k, dtype=torch.float16, device=kernel_device, seed=seed)
+    w = testing.randn(n, k, dtype=torch.float16, device=kernel_device, seed=seed + 1, scale=k**-0.5)
+    qw = quantize_weight(w, bits, group_size, symmetric)
+    check_quantized(x, qw, testing.randn(n, dtype=torch.float16, device=kernel_device, seed=seed + 2))
+
+
+def test_weight_only_decode_plan_on_132_sms(monkeypatch):
+    """The decode plan at the Llama-3-8B projections on an H100 (132 SMs), host only: the slice
+    counts of the sweep quoted in ops.py (WEIGHT_ONLY_*), no split across programs."""
+    from kernel_lab.gemm import ops
+
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    swept = {8: [2, 1, 1, 2], 4: [4, 4, 1, 4]}
+    for bits, group_size in ((8, None), (4, 128)):
+        for (n, k), slices in zip([(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)], swept[bits], strict=True):
+            plan = ops._weight_only_plan(16, n, k, bits, group_size or k, cuda)
+            assert (plan.slices, plan.split_k, plan.block_m) == (slices, 1, 16), (bits, n, k, plan)
+            assert plan.slice_len * plan.slices >= k and plan.slice_len % plan.block_k == 0
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits,group_size", [(8, None), (4, 64)])
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -289,34 +289,24 @@ def _quantized_matmul_kernel(
     x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
-    stride_cs, K_PER_SPLIT, GROUP_SIZE,
+    GROUP_SIZE,
     BITS: tl.constexpr,  # 8: one int8/uint8 code per byte; 4: two codes per uint8, low nibble first
     HAS_ZEROS: tl.constexpr,  # per-group uint8 zero points; else 0 (int8) or 8 (int4)
     HAS_BIAS: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
-    SWAP_AB: tl.constexpr,  # decode: the weight tile is the dot's first operand (see below)
     USE_PRMT: tl.constexpr,  # int8 codes: see _biased_code_floats
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """c = x @ dequant(q)^T + bias, the weight dequantized tile by tile inside the K loop.
+    """c = x @ dequant(q)^T + bias at prefill sizes (M > 64; decode: _weight_only_decode_kernel),
+    the weight dequantized tile by tile inside the K loop.
 
     q is (N, K) codes (or (N, K // 2) bytes for int4), scales / zeros (N, K // GROUP_SIZE).
     A K tile never straddles two groups (the launcher keeps GROUP_SIZE % BLOCK_K == 0), so each
     tile has one scale per column: the integer codes minus the zero point are exact in
     float16 / bfloat16 (|code - zero| <= 255), the tile product runs on tensor cores and the
     scale multiplies its float32 result.
-
-    SWAP_AB (decode, M <= 64): the tile product is computed transposed, dequant(q) (BLOCK_N,
-    BLOCK_K) @ x^T (BLOCK_K, BLOCK_M). On Hopper the first operand of a warpgroup MMA may come
-    from registers, where the dequantized tile is, while the second must sit in shared memory:
-    in the (x @ w) order the dequantized tile is written back to shared memory every step. H200
-    sweep (bf16, M in {1, 16, 32, 64}, the Llama-3-8B projections, CUDA-graph replays): int4
-    1.5-10x and int8 1.0-2.1x faster than the (x @ w) order at M from 16 up, level at M = 1.
     """
     # The K-tail masks below are written against the scalar bound k_len: see _split_k_tile.
-    _, pid_k, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(
-        M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
-    )
+    _, _, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(M, N, K, K, BLOCK_M, BLOCK_N, GROUP_M)
     dtype = x_ptr.dtype.element_ty
     if BITS == 8:
         offs_k = tl.arange(0, BLOCK_K)
@@ -329,14 +319,9 @@ def _quantized_matmul_kernel(
         offs_k = tl.arange(0, BLOCK_K // 2)
         x_cols = k_start + 2 * offs_k
         q_cols = k_start // 2 + offs_k
-    if SWAP_AB:  # tiles (BLOCK_N, K) of codes and (K, BLOCK_M) of x
-        q_ptrs = q_ptr + offs_qn[:, None] * stride_qn + q_cols[None, :] * stride_qk
-        x_ptrs = x_ptr + offs_xm[None, :] * stride_xm + x_cols[:, None] * stride_xk
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:  # tiles (M, K) of x and (K, BLOCK_N) of codes
-        q_ptrs = q_ptr + offs_qn[None, :] * stride_qn + q_cols[:, None] * stride_qk
-        x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + x_cols[None, :] * stride_xk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q_ptrs = q_ptr + offs_qn[None, :] * stride_qn + q_cols[:, None] * stride_qk  # (K, BLOCK_N) codes
+    x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + x_cols[None, :] * stride_xk  # (M, K) of x
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
         g = (k_start + k) // GROUP_SIZE
         scale = tl.load(scales_ptr + offs_qn * stride_sn + g * stride_sg).to(tl.float32)
@@ -347,32 +332,121 @@ def _quantized_matmul_kernel(
         if BITS == 8:
             k_mask = offs_k < k_len - k
         else:
-            k_mask = offs_k < (k_len - k) // 2  # k_len is even: K is, and splits are BLOCK_K-aligned
-        if SWAP_AB:
-            codes = tl.load(q_ptrs, mask=k_mask[None, :], other=0)
-            zero_b = zero[:, None]
-            x_mask = k_mask[:, None]
-        else:
-            codes = tl.load(q_ptrs, mask=k_mask[:, None], other=0)
-            zero_b = zero[None, :]
-            x_mask = k_mask[None, :]
+            k_mask = offs_k < (k_len - k) // 2  # k_len is even: K is
+        codes = tl.load(q_ptrs, mask=k_mask[:, None], other=0)
         if BITS == 8:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            w = _int8_weights(codes, zero_b, dtype, not HAS_ZEROS, USE_PRMT)
-            part = tl.dot(w, x) if SWAP_AB else tl.dot(x, w)
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            part = tl.dot(x, _int8_weights(codes, zero[None, :], dtype, not HAS_ZEROS, USE_PRMT))
         else:
-            x_even = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            x_odd = tl.load(x_ptrs + stride_xk, mask=x_mask, other=0.0)
-            w_lo, w_hi = _int4_weights(codes, zero_b, dtype)
-            if SWAP_AB:
-                part = tl.dot(w_hi, x_odd, tl.dot(w_lo, x_even))
-            else:
-                part = tl.dot(x_odd, w_hi, tl.dot(x_even, w_lo))
-        acc += part * (scale[:, None] if SWAP_AB else scale[None, :])
+            x_even = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            x_odd = tl.load(x_ptrs + stride_xk, mask=k_mask[None, :], other=0.0)
+            w_lo, w_hi = _int4_weights(codes, zero[None, :], dtype)
+            part = tl.dot(x_odd, w_hi, tl.dot(x_even, w_lo))
+        acc += part * scale[None, :]
         x_ptrs += BLOCK_K * stride_xk
         q_ptrs += (BLOCK_K if BITS == 8 else BLOCK_K // 2) * stride_qk
-    if SWAP_AB:
-        acc = tl.trans(acc)
+    _epilogue_store(
+        acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+        bias_ptr, bias_ptr, 0, bias_ptr, 0, acc,
+        HAS_BIAS, False, False, "none",
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _weight_only_decode_kernel(
+    x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
+    stride_cs, SLICE_LEN, GROUP_SIZE,
+    BITS: tl.constexpr,  # as _quantized_matmul_kernel's
+    HAS_ZEROS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,  # one scale (and zero point) per row: GROUP_SIZE == K
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
+    USE_PRMT: tl.constexpr,  # int8 codes: see _biased_code_floats
+    SLICES: tl.constexpr,  # K slices of a program, one a warp
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c = x @ dequant(q)^T + bias at decode sizes (M <= BLOCK_M <= 64), formats as
+    _quantized_matmul_kernel's.
+
+    Decode moves the weight once and does little math on it, but each code needs a few
+    instructions to become a float, and a warp issues at most one instruction a cycle: the
+    weight-only decode is bound by how many warps dequantize at once, not by the bytes. So a
+    program is small (BLOCK_N = 16 weight rows) and cuts its K range into SLICES contiguous
+    slices, one per warp: the tiles carry a leading SLICES dimension, tl.dot is a batched
+    product (slice s of the codes with slice s of x), and the SLICES partial tiles are summed
+    once after the loop. That is split-K inside the program, without a second launch. The
+    product is computed transposed, dequant(q) (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M), so
+    that the dequantized tile, in registers, is the MMA's first operand; 16-row products run
+    as mma.sync. H100 sweep (M = 16, bf16, the Llama-3-8B projections, CUDA-graph replays over
+    rotated weight copies; scratch): 1.3-1.5x faster than the earlier kernel, which gave each
+    program 64-128 rows over 4-8 warps on warpgroup MMAs and split K across programs with a
+    reduce launch (its K loop ran at a fraction of the issue rate with one or two programs an SM).
+
+    Program (column tile, split): K columns [pid_k * SLICES * SLICE_LEN, ...) of which slice s
+    takes SLICE_LEN (a multiple of BLOCK_K; the last slices may be short or empty). A K step
+    never straddles two groups (GROUP_SIZE % BLOCK_K == 0 where grouped). int4: the low and
+    high nibbles of a byte (columns 2j and 2j + 1) are joined into one (BLOCK_N, BLOCK_K) tile
+    in column order, so that x is read as a contiguous tile like the int8 codes.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_qn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_xm = (offs_m % M).to(tl.int64)
+    offs_s = tl.arange(0, SLICES)
+    slice_start = (pid_k * SLICES + offs_s) * SLICE_LEN  # (SLICES,) first column of each slice
+    # columns from each slice's start to K's end (the loop stops at SLICE_LEN), a multiple of 16
+    # where K is: the masks below then stay constant over 16-element runs and the loads 16-byte
+    # vectors (see _split_k_tile)
+    cols_left = K - slice_start
+    dtype = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = (x_ptr + offs_xm[None, None, :] * stride_xm
+              + (slice_start[:, None, None] + offs_k[None, :, None]) * stride_xk)  # (SLICES, BLOCK_K, BLOCK_M)
+    if BITS == 8:
+        q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
+                  + (slice_start[:, None, None] + offs_k[None, None, :]) * stride_qk)  # (SLICES, BLOCK_N, BLOCK_K)
+    else:
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
+                  + (slice_start[:, None, None] // 2 + offs_b[None, None, :]) * stride_qk)  # (.., BLOCK_K // 2)
+    if PER_CHANNEL:
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + offs_qn * stride_sn).to(tl.int32)[None, :, None]
+        else:
+            zero = tl.full((1, 1, 1), 8 if BITS == 4 else 0, tl.int32)
+    acc = tl.zeros((SLICES, BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, SLICE_LEN, BLOCK_K):
+        if not PER_CHANNEL:  # each slice's group of this step: (SLICES, BLOCK_N) scales and zero points
+            live = (k < cols_left)[:, None]  # (slices past K's end have no group)
+            s_ptrs = offs_qn[None, :] * stride_sn + ((slice_start + k) // GROUP_SIZE)[:, None] * stride_sg
+            scale = tl.load(scales_ptr + s_ptrs, mask=live, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + s_ptrs, mask=live, other=0).to(tl.int32)[:, :, None]
+            else:
+                zero = tl.full((1, 1, 1), 8 if BITS == 4 else 0, tl.int32)
+        x = tl.load(x_ptrs, mask=(offs_k[None, :, None] < (cols_left - k)[:, None, None]), other=0.0)
+        if BITS == 8:
+            codes = tl.load(q_ptrs, mask=(offs_k[None, None, :] < (cols_left - k)[:, None, None]), other=0)
+            w = _int8_weights(codes, zero, dtype, not HAS_ZEROS, USE_PRMT)
+        else:
+            codes = tl.load(q_ptrs, mask=(offs_b[None, None, :] < (cols_left - k)[:, None, None] // 2), other=0)
+            w_lo, w_hi = _int4_weights(codes, zero, dtype)
+            w = tl.reshape(tl.join(w_lo, w_hi), (SLICES, BLOCK_N, BLOCK_K))
+        part = tl.dot(w, x)
+        if PER_CHANNEL:
+            acc += part
+        else:
+            acc += part * scale[:, :, None]
+        x_ptrs += BLOCK_K * stride_xk
+        q_ptrs += (BLOCK_K if BITS == 8 else BLOCK_K // 2) * stride_qk
+    acc = tl.sum(acc, axis=0)
+    if PER_CHANNEL:
+        acc = acc * tl.load(scales_ptr + offs_qn * stride_sn).to(tl.float32)[:, None]
+    acc = tl.trans(acc)
     if not WRITE_PARTIAL:
         _epilogue_store(
             acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,

@@ -54,6 +54,7 @@ from ._kernels import (
     _rms_norm_linear_kernel_skinny,
     _splitk_reduce_kernel,
     _tma_block_shapes,
+    _weight_only_decode_kernel,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -84,19 +85,28 @@ RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
 RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
-# The weight-only (dequantizing) decode kernel's tiles (BLOCK_N, warps, stages) and K split. Its
-# K loop is bound by latency (codes unpacked in registers, then a wgmma that waits on them), not
-# by bytes or issue, so it wants programs in flight: int8 keeps 64-column tiles over 4 warps and
-# aims for 4 programs per SM, int4 takes 128 columns over 8 warps (two warpgroups) and 2 per SM;
-# split = programs per SM x SMs // tiles, the float32 partials (written and read once, in L2)
-# at most 1/8 (int8) or 1/4 (int4) of the weight's bytes. H200 sweep (bf16, M = 16, the Llama-3-8B
-# projections, CUDA-graph replays; tiles {64/4/3, 128/4/3, 128/8/4} x splits 1-12): the fastest
-# or within 0.5 us of it on every shape but int4 at N = 6144 (19.1 against 17.5 us at split 6),
-# and int4 14.5 / 19.1 / 30.1 / 30.2 us against 20.6 / 22.3 / 32.8 / 35.3 with the earlier
-# 64-column, 4-warp tiles and cdiv-rounded splits.
-QUANT_TILES = {8: (64, 4, 3), 4: (128, 8, 4)}
-QUANT_SPLIT_PROGRAMS_PER_SM = {8: 4, 4: 2}
-QUANT_SPLIT_MAX_TRAFFIC = {8: 1 / 8, 4: 1 / 4}
+# The weight-only (dequantizing) decode kernel (_weight_only_decode_kernel): BLOCK_N weight rows a
+# program, its K range cut into slices, one a warp. Its loop is bound by instruction issue (a few
+# instructions turn a code into a float, and a warp issues one a cycle), so the plan aims for
+# warps, not bytes, in flight: slices (a power of two, at most WEIGHT_ONLY_MAX_SLICES) double
+# while the column tiles x slices stay within WEIGHT_ONLY_WARPS_PER_SM warps an SM, and K is
+# split across programs (a reduce launch) only where the largest slice count leaves more than
+# half of them unfilled. BLOCK_K: int8 codes 256 columns a step, int4 128 (and at most the
+# group's largest power-of-two divisor, so that a step has one group). H100 sweep (bf16, M = 16,
+# the Llama-3-8B projections, CUDA-graph replays over rotated weight copies; scratch,
+# 2026-11-27): slices 1-8 x 16/32-row tiles x BLOCK_K 128/256 x 3-6 stages, us (x cuBLAS bf16),
+# N x K = 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336:
+#   int8 9.3 / 12.5 / 24.8 / 24.8 (1.77 / 1.72 / 1.74 / 1.83x) at 2 / 1 / 1 / 2 slices,
+#        against 14.2 / 17.8 / 33.9 / 34.2 for the earlier kernel;
+#   int4 9.6 / 12.4 / 23.9 / 25.3 (1.72 / 1.73 / 1.80 / 1.80x) at 4 / 4 / 1 / 4 slices,
+#        against 14.0 / 18.4 / 28.9 / 29.4.
+# int4 wants more warps than int8 (12 against 4 an SM): it moves half the bytes per code, so the
+# same issue rate covers twice the codes only with more of them in flight.
+WEIGHT_ONLY_BLOCK_N = 16
+WEIGHT_ONLY_BLOCK_K = {8: 256, 4: 128}
+WEIGHT_ONLY_STAGES = {8: 4, 4: 3}
+WEIGHT_ONLY_WARPS_PER_SM = {8: 4, 4: 12}
+WEIGHT_ONLY_MAX_SLICES = 8
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -159,11 +169,10 @@ class _SkinnyPlan:
 
 def _skinny_plan(
     m: int, n: int, k: int, device: torch.device, k_align: int, block_n: int | None = None,
-    quantized_bytes: int | None = None, bits: int = 8, programs_per_sm: float = SPLIT_PROGRAMS_PER_SM,
+    programs_per_sm: float = SPLIT_PROGRAMS_PER_SM,
 ) -> _SkinnyPlan:
     """BLOCK_M covering M, BLOCK_N (after N unless given), and the K split (see constants);
-    quantized_bytes / bits: the weight's bytes and code width, for the weight-only kernel's plan;
-    programs_per_sm: what the split of the other kernels aims for, at most."""
+    programs_per_sm: what the split aims for, at most."""
     interpret = device.type != "cuda"
     block_m = max(16, runtime.next_power_of_2(m))
     sms = runtime.sm_count(device)
@@ -173,15 +182,43 @@ def _skinny_plan(
             block_n //= 2
     block_n = INTERPRET_BLOCK if interpret else block_n
     tiles = runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n)
-    if quantized_bytes is None:
-        # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
-        split = int(sms * programs_per_sm) // tiles
-    else:
-        split = QUANT_SPLIT_PROGRAMS_PER_SM[bits] * sms // tiles
-        split = min(split, max(1, int(QUANT_SPLIT_MAX_TRAFFIC[bits] * quantized_bytes / (2 * m * n * 4))))
+    # integer division by tiles: a symbolic size (torch.compile) stays an integer expression
+    split = int(sms * programs_per_sm) // tiles
     split = max(1, min(split, MAX_SPLIT_K, runtime.cdiv(k, k_align)))
     k_per_split = runtime.cdiv(runtime.cdiv(k, split), k_align) * k_align
     return _SkinnyPlan(block_m, block_n, runtime.cdiv(k, k_per_split), k_per_split)
+
+
+@dataclass(frozen=True)
+class _WeightOnlyPlan:
+    block_m: int
+    block_k: int
+    slices: int  # K slices a program, one a warp
+    slice_len: int  # columns of a slice, a multiple of block_k
+    split_k: int  # programs along K (a reduce launch when above 1)
+
+    def grid(self, n: int) -> tuple[int, int]:
+        return (runtime.cdiv(n, WEIGHT_ONLY_BLOCK_N), self.split_k)
+
+
+def _weight_only_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> _WeightOnlyPlan:
+    """The weight-only decode kernel's plan (see WEIGHT_ONLY_* above); off CUDA (the
+    interpreter) small steps and runtime.sm_count's stand-in, so slices and splits run there too."""
+    block_k = INTERPRET_BLOCK if device.type != "cuda" else WEIGHT_ONLY_BLOCK_K[bits]
+    if group_size < k:
+        block_k = min(block_k, group_size & -group_size)
+    target = WEIGHT_ONLY_WARPS_PER_SM[bits] * runtime.sm_count(device)
+    tiles = runtime.cdiv(n, WEIGHT_ONLY_BLOCK_N)
+    steps = runtime.cdiv(k, block_k)
+    slices = 1
+    while slices < WEIGHT_ONLY_MAX_SLICES and tiles * slices * 2 <= target and steps >= slices * 2:
+        slices *= 2
+    split = 1
+    if tiles * slices * 2 <= target:
+        split = min(target // (tiles * slices), runtime.cdiv(steps, slices), MAX_SPLIT_K)
+    slice_len = runtime.cdiv(steps, split * slices) * block_k
+    return _WeightOnlyPlan(max(16, runtime.next_power_of_2(m)), block_k, slices, slice_len,
+                           runtime.cdiv(k, slice_len * slices))
 
 
 def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none",
@@ -472,40 +509,40 @@ def quantized_matmul_fwd(
     if m == 1 and bits == 4 and group_size in INT4_GEMV_GROUP_SIZES:
         _int4_gemv(x, qdata, scales, zeros, bias, c, group_size, interpret, traced)
         return c
-    grouped = group_size < k
-    if interpret:
-        block_k = INTERPRET_BLOCK
-    else:
-        # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
-        block_k = min(128, group_size & -group_size) if grouped else 128
-    decode = m <= SKINNY_MAX_M
-    if decode:  # the swapped-operand kernel (see _quantized_matmul_kernel)
-        block_n, num_warps, num_stages = QUANT_TILES[bits]
-        plan = _skinny_plan(m, n, k, x.device, block_k, block_n=block_n, quantized_bytes=qdata.numel(), bits=bits)
-        block_m, block_n, split_k, k_per_split = plan.block_m, plan.block_n, plan.split_k, plan.k_per_split
-        launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
-    else:
-        block_m, block_n = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (128, 128)
-        split_k, k_per_split = 1, k
-        launch = {} if interpret else dict(num_warps=8, num_stages=3)
-    ws = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), split_k)
     key = None if traced else (
         "quantized", x.device, m, n, k, x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1),
         scales.stride(0), scales.stride(1), _tensor_key(x), _tensor_key(qdata), _tensor_key(scales),
         _tensor_key(zeros), _tensor_key(bias), bits, group_size,
     )
+    common = (x, qdata, scales, c if zeros is None else zeros)
+    strides = (x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1))
+    if m <= SKINNY_MAX_M:
+        plan = _weight_only_plan(m, n, k, bits, group_size, x.device)
+        ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
+        launch = {} if interpret else dict(num_warps=plan.slices, num_stages=WEIGHT_ONLY_STAGES[bits])
+        runtime.launchable(_weight_only_decode_kernel, traced, key)[plan.grid(n)](
+            *common, ws, c if bias is None else bias, m, n, k, *strides,
+            ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0, plan.slice_len, group_size,
+            BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
+            WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, BLOCK_M=plan.block_m,
+            BLOCK_N=WEIGHT_ONLY_BLOCK_N, BLOCK_K=plan.block_k, **launch,
+        )
+        if plan.split_k > 1:
+            _reduce(ws, c, bias=bias, traced=traced)
+        return c
+    if interpret:
+        block_m = block_n = block_k = INTERPRET_BLOCK
+        launch = {}
+    else:
+        # One scale per column and tile: BLOCK_K (a power of two) must divide the group.
+        block_m, block_n, block_k = 128, 128, min(128, group_size & -group_size) if group_size < k else 128
+        launch = dict(num_warps=8, num_stages=3)
+    grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), 1)
     runtime.launchable(_quantized_matmul_kernel, traced, key)[grid](
-        x, qdata, scales, c if zeros is None else zeros, ws, c if bias is None else bias,
-        m, n, k,
-        x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1),
-        ws.stride(-2), ws.stride(-1), ws.stride(0) if split_k > 1 else 0, k_per_split, group_size,
-        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1,
-        SWAP_AB=decode, USE_PRMT=not interpret, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=1 if decode else 8, **launch,
+        *common, c, c if bias is None else bias, m, n, k, *strides, c.stride(0), c.stride(1), group_size,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, USE_PRMT=not interpret,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, **launch,
     )
-    if split_k > 1:
-        _reduce(ws, c, bias=bias, traced=traced)
     return c
 
 
