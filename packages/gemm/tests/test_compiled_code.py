@@ -60,7 +60,8 @@ CASES = {
     "int8-decode": ("_weight_only_decode_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                        zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
                     dict(BITS=8, HAS_ZEROS=False, PER_CHANNEL=True, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
-                         SLICES=2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, stride_xk=1, stride_qk=1, stride_cn=1,
+                         SLICES=2, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, stride_xk=1,
+                         stride_qk=1, stride_cn=1,
                          stride_sg=1), 2, 4),
     "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                       zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
@@ -108,7 +109,8 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, slices):
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
     constexprs = dict(BITS=4, HAS_ZEROS=False, PER_CHANNEL=False, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
-                      SLICES=slices, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, stride_xk=1, stride_qk=1)
+                      SLICES=slices, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, stride_xk=1,
+                      stride_qk=1)
     compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, slices, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
     weights_per_thread = 16 * 128 / 32  # a warp a slice
@@ -128,7 +130,8 @@ def test_int8_decode_converts_no_code_with_i2f(codes, has_zeros, per_channel):
 
     pointers = dict(x_ptr="*bf16", q_ptr=codes, scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16")
     constexprs = dict(BITS=8, HAS_ZEROS=has_zeros, PER_CHANNEL=per_channel, HAS_BIAS=False, WRITE_PARTIAL=True,
-                      USE_PRMT=True, SLICES=2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, stride_xk=1, stride_qk=1)
+                      USE_PRMT=True, SLICES=2, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
+                      stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, 2, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
     codes_per_thread = 16 * 128 // 32  # a warp a slice

@@ -158,9 +158,10 @@ def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bit
 # slices or splits it across programs: eight slices in two programs; two slices in two programs,
 # the second program's last slice empty; four slices in two programs at M = 64, three of the
 # second's empty; int8: four slices of three steps each, the group changing from step to step
-# (int4: eight slices in two programs); int8: one slice, no split (int4: two slices).
+# (int4: eight slices in two programs); int8: one slice, no split (int4: two slices); a K tail
+# (70 columns, 32-column steps: per-channel scales only).
 DECODE_PLANS = [((2, 16, 512), True), ((16, 40, 96), True), ((64, 24, 160), True), ((3, 48, 384), True),
-                ((5, 300, 64), False)]
+                ((5, 300, 64), False), ((4, 20, 70), True)]
 
 
 @pytest.mark.interpret
@@ -174,6 +175,8 @@ def test_weight_only_decode_slices_and_splits(kernel_device, seed, bits, group_s
     from kernel_lab.gemm import ops
 
     m, n, k = shape
+    if group_size is not None and k % group_size:
+        pytest.skip("group_size must divide K")
     plan = ops._weight_only_plan(m, n, k, bits, group_size or k, torch.device(kernel_device))
     assert plan.slices > 1 or plan.split_k > 1 or not sliced
     x = testing.randn(m, k, dtype=torch.float16, device=kernel_device, seed=seed)

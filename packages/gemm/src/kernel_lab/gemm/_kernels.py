@@ -365,6 +365,8 @@ def _weight_only_decode_kernel(
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     USE_PRMT: tl.constexpr,  # int8 codes: see _biased_code_floats
     SLICES: tl.constexpr,  # K slices of a program, one a warp
+    K_TAIL: tl.constexpr,  # K % BLOCK_K != 0: a step may end past K
+    MASK_M: tl.constexpr,  # M < BLOCK_M: rows of x past M are masked (see below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c = x @ dequant(q)^T + bias at decode sizes (M <= BLOCK_M <= 64), formats as
@@ -395,24 +397,25 @@ def _weight_only_decode_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_qn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_xm = (offs_m % M).to(tl.int64)
+    # Rows of x past M are masked, not wrapped onto valid ones as in the other kernels: every
+    # program reads the same x, and at M = 2 eight copies of each row in every request kept the
+    # few L2 lines holding it busy (H100, int4, N x K = 14336 x 4096: 53 us against 30 at M = 16).
+    # MASK_M: at M = BLOCK_M the mask would only cost instructions in the loop.
+    m_mask = (offs_m < M)[None, None, :] if MASK_M else tl.full((1, 1, 1), True, tl.int1)
+    SLICE_LEN = tl.multiple_of(SLICE_LEN, BLOCK_K)  # (the launcher's; it keeps int4 byte offsets 16-aligned)
     offs_s = tl.arange(0, SLICES)
     slice_start = (pid_k * SLICES + offs_s) * SLICE_LEN  # (SLICES,) first column of each slice
-    # columns from each slice's start to K's end (the loop stops at SLICE_LEN), a multiple of 16
-    # where K is: the masks below then stay constant over 16-element runs and the loads 16-byte
-    # vectors (see _split_k_tile)
-    cols_left = K - slice_start
+    cols_left = K - slice_start  # from each slice's start to K's end (the loop stops at SLICE_LEN)
     dtype = x_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = (x_ptr + offs_xm[None, None, :] * stride_xm
+    x_ptrs = (x_ptr + offs_m.to(tl.int64)[None, None, :] * stride_xm
               + (slice_start[:, None, None] + offs_k[None, :, None]) * stride_xk)  # (SLICES, BLOCK_K, BLOCK_M)
-    if BITS == 8:
-        q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
-                  + (slice_start[:, None, None] + offs_k[None, None, :]) * stride_qk)  # (SLICES, BLOCK_N, BLOCK_K)
-    else:
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
-                  + (slice_start[:, None, None] // 2 + offs_b[None, None, :]) * stride_qk)  # (.., BLOCK_K // 2)
+    CODES_PER_BYTE: tl.constexpr = 8 // BITS
+    offs_q = tl.arange(0, BLOCK_K // CODES_PER_BYTE)  # code bytes of a step
+    slice_bytes = tl.multiple_of(SLICE_LEN // CODES_PER_BYTE, BLOCK_K // CODES_PER_BYTE)
+    q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
+              + ((pid_k * SLICES + offs_s) * slice_bytes)[:, None, None] * stride_qk
+              + offs_q[None, None, :] * stride_qk)  # (SLICES, BLOCK_N, BLOCK_K // CODES_PER_BYTE)
     if PER_CHANNEL:
         if HAS_ZEROS:
             zero = tl.load(zeros_ptr + offs_qn * stride_sn).to(tl.int32)[None, :, None]
@@ -428,12 +431,21 @@ def _weight_only_decode_kernel(
                 zero = tl.load(zeros_ptr + s_ptrs, mask=live, other=0).to(tl.int32)[:, :, None]
             else:
                 zero = tl.full((1, 1, 1), 8 if BITS == 4 else 0, tl.int32)
-        x = tl.load(x_ptrs, mask=(offs_k[None, :, None] < (cols_left - k)[:, None, None]), other=0.0)
+        # Masks: whole slices past K's end, and with K_TAIL the columns past it. Without a tail a
+        # mask is constant along a slice's columns, which keeps the int4 byte loads 16 wide (a
+        # column bound halved for bytes is only known to be a multiple of 8). With a tail, K a
+        # multiple of 16 keeps the column masks constant over 16-element runs (see _split_k_tile).
+        if K_TAIL:
+            x_mask = offs_k[None, :, None] < (cols_left - k)[:, None, None]
+            q_mask = offs_q[None, None, :] < (cols_left - k)[:, None, None] // CODES_PER_BYTE
+        else:
+            x_mask = (k < cols_left)[:, None, None]
+            q_mask = x_mask
+        x = tl.load(x_ptrs, mask=x_mask & m_mask, other=0.0)
+        codes = tl.load(q_ptrs, mask=q_mask, other=0)
         if BITS == 8:
-            codes = tl.load(q_ptrs, mask=(offs_k[None, None, :] < (cols_left - k)[:, None, None]), other=0)
             w = _int8_weights(codes, zero, dtype, not HAS_ZEROS, USE_PRMT)
         else:
-            codes = tl.load(q_ptrs, mask=(offs_b[None, None, :] < (cols_left - k)[:, None, None] // 2), other=0)
             w_lo, w_hi = _int4_weights(codes, zero, dtype)
             w = tl.reshape(tl.join(w_lo, w_hi), (SLICES, BLOCK_N, BLOCK_K))
         part = tl.dot(w, x)
@@ -442,7 +454,7 @@ def _weight_only_decode_kernel(
         else:
             acc += part * scale[:, :, None]
         x_ptrs += BLOCK_K * stride_xk
-        q_ptrs += (BLOCK_K if BITS == 8 else BLOCK_K // 2) * stride_qk
+        q_ptrs += BLOCK_K // CODES_PER_BYTE * stride_qk
     acc = tl.sum(acc, axis=0)
     if PER_CHANNEL:
         acc = acc * tl.load(scales_ptr + offs_qn * stride_sn).to(tl.float32)[:, None]
