@@ -187,16 +187,23 @@ def test_weight_only_decode_slices_and_splits(kernel_device, seed, bits, group_s
 
 def test_weight_only_decode_plan_on_132_sms(monkeypatch):
     """The decode plan at the Llama-3-8B projections on an H100 (132 SMs), host only: the slice
-    counts of the sweep quoted in ops.py (WEIGHT_ONLY_*), no split across programs."""
+    counts, step lengths and pipeline depths of the sweeps quoted in ops.py (WEIGHT_ONLY_*), no
+    split across programs."""
     from kernel_lab.gemm import ops
 
     monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    swept = {8: [2, 1, 1, 2], 4: [4, 4, 1, 4]}
-    for bits, group_size in ((8, None), (4, 128)):
-        for (n, k), slices in zip([(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)], swept[bits], strict=True):
-            plan = ops._weight_only_plan(16, n, k, bits, group_size or k, cuda)
-            assert (plan.slices, plan.split_k, plan.block_m) == (slices, 1, 16), (bits, n, k, plan)
+    projections = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
+    swept = {  # (bits, m): (block_k, slices per projection, stages per projection)
+        (8, 16): (256, [2, 1, 1, 2], [4, 4, 3, 4]), (4, 16): (128, [4, 4, 4, 4], [3, 3, 3, 3]),
+        (8, 32): (128, [4, 2, 1, 4], [3, 3, 3, 3]), (4, 32): (128, [4, 2, 1, 4], [3, 3, 3, 3]),
+        (8, 64): (128, [2, 1, 1, 2], [3, 3, 3, 3]), (4, 64): (128, [2, 1, 1, 2], [3, 3, 3, 3]),
+    }
+    for (bits, m), (block_k, slices, stages) in swept.items():
+        for (n, k), s, st in zip(projections, slices, stages, strict=True):
+            plan = ops._weight_only_plan(m, n, k, bits, k if bits == 8 else 128, cuda)
+            got = (plan.block_m, plan.block_k, plan.slices, plan.split_k, plan.num_stages)
+            assert got == (m, block_k, s, 1, st), (bits, m, n, k, plan)
             assert plan.slice_len * plan.slices >= k and plan.slice_len % plan.block_k == 0
 
 

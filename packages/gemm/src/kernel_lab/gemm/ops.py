@@ -85,28 +85,36 @@ RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
 RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
-# The weight-only (dequantizing) decode kernel (_weight_only_decode_kernel): BLOCK_N weight rows a
+# The weight-only (dequantizing) decode kernel (_weight_only_decode_kernel): 16 weight rows a
 # program, its K range cut into slices, one a warp. Its loop is bound by instruction issue (a few
 # instructions turn a code into a float, and a warp issues one a cycle), so the plan aims for
-# warps, not bytes, in flight: slices (a power of two, at most WEIGHT_ONLY_MAX_SLICES) double
-# while the column tiles x slices stay within WEIGHT_ONLY_WARPS_PER_SM warps an SM, and K is
-# split across programs (a reduce launch) only where the largest slice count leaves more than
-# half of them unfilled. BLOCK_K: int8 codes 256 columns a step, int4 128 (and at most the
-# group's largest power-of-two divisor, so that a step has one group). H100 sweep (bf16, M = 16,
-# the Llama-3-8B projections, CUDA-graph replays over rotated weight copies; scratch,
-# 2026-11-27): slices 1-8 x 16/32-row tiles x BLOCK_K 128/256 x 3-6 stages, us (x cuBLAS bf16),
-# N x K = 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336:
-#   int8 9.3 / 12.5 / 24.8 / 24.8 (1.77 / 1.72 / 1.74 / 1.83x) at 2 / 1 / 1 / 2 slices,
-#        against 14.2 / 17.8 / 33.9 / 34.2 for the earlier kernel;
-#   int4 9.6 / 12.4 / 23.9 / 25.3 (1.72 / 1.73 / 1.80 / 1.80x) at 4 / 4 / 1 / 4 slices,
-#        against 14.0 / 18.4 / 28.9 / 29.4.
-# int4 wants more warps than int8 (12 against 4 an SM): it moves half the bytes per code, so the
-# same issue rate covers twice the codes only with more of them in flight.
+# warps in flight: slices (powers of two up to a maximum) double while the column tiles x slices
+# stay within a number of warps per SM, and K is split across programs (a reduce launch) only
+# where the largest slice count leaves more than half of that unfilled. Per (code bits, BLOCK_M):
+# (BLOCK_K, warps per SM aimed at, most slices). Each step stages BLOCK_K x BLOCK_M of x in shared
+# memory beside the codes, so larger M takes shorter steps and fewer warps; int4 moves half the
+# bytes of int8 per code and wants more warps. H100 sweeps (bf16, the Llama-3-8B projections,
+# CUDA-graph replays over rotated weight copies; scratch, 2026-11-27; slices 1-8 x BLOCK_K
+# 64-256 x 2-4 stages), us at M = 16, N x K = 4096x4096 / 6144x4096 / 14336x4096 / 4096x14336:
+#   int8 9.4 / 12.9 / 24.8 / 25.0 against 14.2 / 17.9 / 33.7 / 34.2 for the earlier kernel
+#        (64-128 rows a program over 4-8 warps on warpgroup MMAs, split-K with a reduce);
+#   int4 9.7 / 12.9 / 24.6 / 26.2 against 14.0 / 18.4 / 29.0 / 29.5;
+# at M = 32 (best of the sweep): int8 11.8 / 16.1 / 30.6 / 31.1 against 15.6 / 21.3 / 36.6 / 38.2,
+# int4 12.2 / 16.3 / 30.5 / 33.1 against 24.4 / 25.0 / 35.1 / 36.8; at M = 64 int8 16.1 / 22.9 /
+# 46.1 / 47.3 against 25.9 / 26.4 / 41.3 / 50.3, int4 17.9 / 24.9 / 54.4 / 51.7 against 55.3 / 55.0 /
+# 56.9 / 74.2 (the rules below pick those configurations or ones within 13% of them).
 WEIGHT_ONLY_BLOCK_N = 16
-WEIGHT_ONLY_BLOCK_K = {8: 256, 4: 128}
-WEIGHT_ONLY_STAGES = {8: 4, 4: 3}
-WEIGHT_ONLY_WARPS_PER_SM = {8: 4, 4: 12}
-WEIGHT_ONLY_MAX_SLICES = 8
+WEIGHT_ONLY_TILES = {
+    (8, 16): (256, 4, 8), (8, 32): (128, 8, 8), (8, 64): (128, 4, 8),
+    (4, 16): (128, 28, 4), (4, 32): (128, 8, 4), (4, 64): (128, 4, 4),
+}
+# Pipeline depth: 3 stages, and 4 for int8 at BLOCK_M = 16 while the programs are at most 3 an SM
+# (a 1-warp program with 4 stages of 256-column steps holds 48 KB of shared memory: past about 3
+# programs an SM the fourth stage cost residency; sweep above: 4096x4096 9.4 against 9.9 us with
+# 3 stages, 14336x4096 30.1 against 24.8).
+WEIGHT_ONLY_STAGES = 3
+WEIGHT_ONLY_DEEP_STAGES = 4
+WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM = 3
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -196,6 +204,7 @@ class _WeightOnlyPlan:
     slices: int  # K slices a program, one a warp
     slice_len: int  # columns of a slice, a multiple of block_k
     split_k: int  # programs along K (a reduce launch when above 1)
+    num_stages: int
 
     def grid(self, n: int) -> tuple[int, int]:
         return (runtime.cdiv(n, WEIGHT_ONLY_BLOCK_N), self.split_k)
@@ -204,21 +213,27 @@ class _WeightOnlyPlan:
 def _weight_only_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> _WeightOnlyPlan:
     """The weight-only decode kernel's plan (see WEIGHT_ONLY_* above); off CUDA (the
     interpreter) small steps and runtime.sm_count's stand-in, so slices and splits run there too."""
-    block_k = INTERPRET_BLOCK if device.type != "cuda" else WEIGHT_ONLY_BLOCK_K[bits]
+    block_m = max(16, runtime.next_power_of_2(m))
+    block_k, warps_per_sm, max_slices = WEIGHT_ONLY_TILES[bits, block_m]
+    if device.type != "cuda":
+        block_k = INTERPRET_BLOCK
     if group_size < k:
         block_k = min(block_k, group_size & -group_size)
-    target = WEIGHT_ONLY_WARPS_PER_SM[bits] * runtime.sm_count(device)
+    sms = runtime.sm_count(device)
+    target = warps_per_sm * sms
     tiles = runtime.cdiv(n, WEIGHT_ONLY_BLOCK_N)
     steps = runtime.cdiv(k, block_k)
     slices = 1
-    while slices < WEIGHT_ONLY_MAX_SLICES and tiles * slices * 2 <= target and steps >= slices * 2:
+    while slices < max_slices and tiles * slices * 2 <= target and steps >= slices * 2:
         slices *= 2
     split = 1
     if tiles * slices * 2 <= target:
         split = min(target // (tiles * slices), runtime.cdiv(steps, slices), MAX_SPLIT_K)
     slice_len = runtime.cdiv(steps, split * slices) * block_k
-    return _WeightOnlyPlan(max(16, runtime.next_power_of_2(m)), block_k, slices, slice_len,
-                           runtime.cdiv(k, slice_len * slices))
+    split = runtime.cdiv(k, slice_len * slices)
+    deep = bits == 8 and block_m == 16 and tiles * split <= WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM * sms
+    return _WeightOnlyPlan(block_m, block_k, slices, slice_len, split,
+                           WEIGHT_ONLY_DEEP_STAGES if deep else WEIGHT_ONLY_STAGES)
 
 
 def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none",
@@ -519,7 +534,7 @@ def quantized_matmul_fwd(
     if m <= SKINNY_MAX_M:
         plan = _weight_only_plan(m, n, k, bits, group_size, x.device)
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
-        launch = {} if interpret else dict(num_warps=plan.slices, num_stages=WEIGHT_ONLY_STAGES[bits])
+        launch = {} if interpret else dict(num_warps=plan.slices, num_stages=plan.num_stages)
         runtime.launchable(_weight_only_decode_kernel, traced, key)[plan.grid(n)](
             *common, ws, c if bias is None else bias, m, n, k, *strides,
             ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0, plan.slice_len, group_size,
