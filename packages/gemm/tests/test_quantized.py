@@ -1,6 +1,8 @@
 """Weight-only int8 / int4 quantization: packing round trip, error bounds, quantized_matmul vs the
 dequantized reference, QuantizedLinear and patch_hf."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -154,31 +156,51 @@ def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bit
     check_quantized(x, qw, bias)
 
 
-# (m, n, k) and whether the interpreter's plan (4 stand-in SMs, 32-column steps) cuts K into
-# slices or splits it across programs: eight slices in two programs; two slices in two programs,
-# the second program's last slice empty; four slices in two programs at M = 64, three of the
-# second's empty; int8: four slices of three steps each, the group changing from step to step
-# (int4: eight slices in two programs); int8: one slice, no split (int4: two slices); a K tail
-# (70 columns, 32-column steps: per-channel scales only).
-DECODE_PLANS = [((2, 16, 512), True), ((16, 40, 96), True), ((64, 24, 160), True), ((3, 48, 384), True),
-                ((5, 300, 64), False), ((4, 20, 70), True)]
+# (m, n, k) of the decode kernel's interpret cases, each run with the interpreter's 4 stand-in SMs
+# and with 64 (more slices and K splits): test_decode_cases_cover_the_plan checks what they reach.
+DECODE_SHAPES = [(2, 16, 512), (16, 40, 96), (64, 24, 160), (3, 48, 384), (5, 300, 64), (4, 20, 70)]
+DECODE_FORMATS = [(8, None, True), (8, 32, False), (4, 32, True), (4, None, False)]  # bits, group_size, symmetric
+
+
+def _decode_plans():
+    from kernel_lab.gemm import ops
+
+    for (m, n, k), (bits, group_size, _), sms in itertools.product(DECODE_SHAPES, DECODE_FORMATS, (4, 64)):
+        if group_size is None or k % group_size == 0:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(ops.runtime, "sm_count", lambda device, sms=sms: sms)
+                plan = ops._weight_only_plan(m, n, k, bits, group_size or k, torch.device("cpu"))
+            yield (m, n, k), bits, group_size, plan
+
+
+def test_decode_cases_cover_the_plan():
+    """The interpret cases below reach every branch of the decode kernel: several slices, a K
+    split (reduce launch), slices that end past K and empty ones, slices of several steps with the
+    group changing between them, a K tail, M below and at BLOCK_M, BLOCK_M of 64."""
+    plans = list(_decode_plans())
+    assert any(p.split_k > 1 for *_, p in plans)
+    assert any(p.slices > 1 and p.slices * p.slice_len * p.split_k - k >= p.slice_len for (_, _, k), _, _, p in plans)
+    assert any(p.slice_len > p.block_k and g is not None and g <= p.block_k for _, _, g, p in plans)
+    assert any(k % p.block_k for (_, _, k), *_, p in plans)
+    assert {m < p.block_m for (m, _, _), *_, p in plans} == {True, False}
+    assert any(p.block_m == 64 for *_, p in plans)
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("bits,group_size,symmetric",
-                         [(8, None, True), (8, 32, False), (4, 32, True), (4, None, False)])
-@pytest.mark.parametrize("shape,sliced", DECODE_PLANS, ids=[f"{m}x{n}x{k}" for (m, n, k), _ in DECODE_PLANS])
-def test_weight_only_decode_slices_and_splits(kernel_device, seed, bits, group_size, symmetric, shape, sliced):
+@pytest.mark.parametrize("sms", [4, 64])
+@pytest.mark.parametrize("bits,group_size,symmetric", DECODE_FORMATS)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in DECODE_SHAPES])
+def test_weight_only_decode_slices_and_splits(kernel_device, seed, monkeypatch, sms, bits, group_size, symmetric,
+                                              shape):
     """The decode kernel cuts each program's K range into slices, one a warp, summed after the
-    loop, and K across programs where the slices alone leave SMs idle (a reduce launch): slices
-    that end past K, empty ones, group-wise and per-channel scales, zero points, bias."""
+    loop, and K across programs where the slices leave SMs idle (a reduce launch): slices that
+    end past K, empty ones, group-wise and per-channel scales, zero points, bias."""
     from kernel_lab.gemm import ops
 
     m, n, k = shape
     if group_size is not None and k % group_size:
         pytest.skip("group_size must divide K")
-    plan = ops._weight_only_plan(m, n, k, bits, group_size or k, torch.device(kernel_device))
-    assert plan.slices > 1 or plan.split_k > 1 or not sliced
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: sms)
     x = testing.randn(m, k, dtype=torch.float16, device=kernel_device, seed=seed)
     w = testing.randn(n, k, dtype=torch.float16, device=kernel_device, seed=seed + 1, scale=k**-0.5)
     qw = quantize_weight(w, bits, group_size, symmetric)

@@ -90,7 +90,7 @@ RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
 # instructions turn a code into a float, and a warp issues one a cycle), so the plan aims for
 # warps in flight: slices (powers of two up to a maximum) double while the column tiles x slices
 # stay within a number of warps per SM, and K is split across programs (a reduce launch) only
-# where the largest slice count leaves more than half of that unfilled. Per (code bits, BLOCK_M):
+# where tiles x slices leave SMs without a warp (few weight rows, e.g. N = 128). Per (code bits, BLOCK_M):
 # (BLOCK_K, warps per SM aimed at, most slices). Each step stages BLOCK_K x BLOCK_M of x in shared
 # memory beside the codes, so larger M takes shorter steps and fewer warps; int4 moves half the
 # bytes of int8 per code and wants more warps. H100 sweeps (bf16, the Llama-3-8B projections,
@@ -227,7 +227,7 @@ def _weight_only_plan(m: int, n: int, k: int, bits: int, group_size: int, device
     while slices < max_slices and tiles * slices * 2 <= target and steps >= slices * 2:
         slices *= 2
     split = 1
-    if tiles * slices * 2 <= target:
+    if tiles * slices < sms:
         split = min(target // (tiles * slices), runtime.cdiv(steps, slices), MAX_SPLIT_K)
     slice_len = runtime.cdiv(steps, split * slices) * block_k
     split = runtime.cdiv(k, slice_len * slices)
