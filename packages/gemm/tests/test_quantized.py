@@ -2,6 +2,7 @@
 dequantized reference, QuantizedLinear and patch_hf."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,6 +215,7 @@ def test_weight_only_decode_plan_on_132_sms(monkeypatch):
     from kernel_lab.gemm import ops
 
     monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ops.runtime, "device_info", lambda index=None: SimpleNamespace(capability=(9, 0)))
     cuda = torch.device("cuda")
     projections = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
     swept = {  # (bits, m): (block_k, slices per projection, stages per projection)
@@ -227,6 +229,9 @@ def test_weight_only_decode_plan_on_132_sms(monkeypatch):
             got = (plan.block_m, plan.block_k, plan.slices, plan.split_k, plan.num_stages)
             assert got == (m, block_k, s, 1, st), (bits, m, n, k, plan)
             assert plan.slice_len * plan.slices >= k and plan.slice_len % plan.block_k == 0
+    # 96 rows: eight slices and a split, with 3 stages where 4 would pass the shared memory
+    plan = ops._weight_only_plan(16, 96, 4096, 8, 4096, cuda)
+    assert (plan.slices, plan.split_k, plan.num_stages) == (8, 2, 3)
 
 
 @pytest.mark.interpret

@@ -115,6 +115,11 @@ WEIGHT_ONLY_TILES = {
 WEIGHT_ONLY_STAGES = 3
 WEIGHT_ONLY_DEEP_STAGES = 4
 WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM = 3
+# Shared memory a program may take (Triton stages num_stages - 1 copies of each slice's code and x
+# tiles; the rest of the SM's 227 KB (Hopper) / 163 KB (A100) / 99 KB (others) is left to the
+# slices' final sum): fewer stages, then fewer slices, where a plan would need more.
+WEIGHT_ONLY_MAX_SHARED = {9: 200 << 10, 8: 150 << 10}
+WEIGHT_ONLY_MAX_SHARED_OTHER = 90 << 10
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -229,11 +234,19 @@ def _weight_only_plan(m: int, n: int, k: int, bits: int, group_size: int, device
     split = 1
     if tiles * slices < sms:
         split = min(target // (tiles * slices), runtime.cdiv(steps, slices), MAX_SPLIT_K)
+    deep = bits == 8 and block_m == 16 and tiles * split <= WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM * sms
+    stages = WEIGHT_ONLY_DEEP_STAGES if deep else WEIGHT_ONLY_STAGES
+    stage_bytes = WEIGHT_ONLY_BLOCK_N * block_k * bits // 8 + block_k * block_m * 2  # codes and x, a slice
+    cap = WEIGHT_ONLY_MAX_SHARED_OTHER
+    if device.type == "cuda":
+        cap = WEIGHT_ONLY_MAX_SHARED.get(runtime.device_info(device.index).capability[0], cap)
+    while stages > 2 and (stages - 1) * slices * stage_bytes > cap:
+        stages -= 1
+    while slices > 1 and (stages - 1) * slices * stage_bytes > cap:
+        slices //= 2
     slice_len = runtime.cdiv(steps, split * slices) * block_k
     split = runtime.cdiv(k, slice_len * slices)
-    deep = bits == 8 and block_m == 16 and tiles * split <= WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM * sms
-    return _WeightOnlyPlan(block_m, block_k, slices, slice_len, split,
-                           WEIGHT_ONLY_DEEP_STAGES if deep else WEIGHT_ONLY_STAGES)
+    return _WeightOnlyPlan(block_m, block_k, slices, slice_len, split, stages)
 
 
 def _reduce(ws, c, *, bias=None, scale_a=None, scale_b=None, ssq=None, k=1, eps=0.0, activation="none",
