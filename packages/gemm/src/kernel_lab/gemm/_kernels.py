@@ -357,7 +357,7 @@ def _weight_only_decode_kernel(
     x_ptr, q_ptr, scales_ptr, zeros_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
-    stride_cs, SLICE_LEN, GROUP_SIZE,
+    stride_cs, SLICE_STEPS, GROUP_SIZE,
     BITS: tl.constexpr,  # as _quantized_matmul_kernel's
     HAS_ZEROS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,  # one scale (and zero point) per row: GROUP_SIZE == K
@@ -387,7 +387,7 @@ def _weight_only_decode_kernel(
     reduce launch (its K loop ran at a fraction of the issue rate with one or two programs an SM).
 
     Program (column tile, split): K columns [pid_k * SLICES * SLICE_LEN, ...) of which slice s
-    takes SLICE_LEN (a multiple of BLOCK_K; the last slices may be short or empty). A K step
+    takes SLICE_LEN = SLICE_STEPS * BLOCK_K (the last slices may be short or empty). A K step
     never straddles two groups (GROUP_SIZE % BLOCK_K == 0 where grouped). int4: the low and
     high nibbles of a byte (columns 2j and 2j + 1) are joined into one (BLOCK_N, BLOCK_K) tile
     in column order, so that x is read as a contiguous tile like the int8 codes.
@@ -402,7 +402,8 @@ def _weight_only_decode_kernel(
     # few L2 lines holding it busy (H100, int4, N x K = 14336 x 4096: 53 us against 30 at M = 16).
     # MASK_M: at M = BLOCK_M the mask would only cost instructions in the loop.
     m_mask = (offs_m < M)[None, None, :] if MASK_M else tl.full((1, 1, 1), True, tl.int1)
-    SLICE_LEN = tl.multiple_of(SLICE_LEN, BLOCK_K)  # (the launcher's; it keeps int4 byte offsets 16-aligned)
+    # (a product with BLOCK_K, so that the compiler knows the slices' int4 byte offsets 16-aligned)
+    SLICE_LEN = SLICE_STEPS * BLOCK_K
     offs_s = tl.arange(0, SLICES)
     slice_start = (pid_k * SLICES + offs_s) * SLICE_LEN  # (SLICES,) first column of each slice
     cols_left = K - slice_start  # from each slice's start to K's end (the loop stops at SLICE_LEN)
@@ -412,7 +413,7 @@ def _weight_only_decode_kernel(
               + (slice_start[:, None, None] + offs_k[None, :, None]) * stride_xk)  # (SLICES, BLOCK_K, BLOCK_M)
     CODES_PER_BYTE: tl.constexpr = 8 // BITS
     offs_q = tl.arange(0, BLOCK_K // CODES_PER_BYTE)  # code bytes of a step
-    slice_bytes = tl.multiple_of(SLICE_LEN // CODES_PER_BYTE, BLOCK_K // CODES_PER_BYTE)
+    slice_bytes = SLICE_STEPS * (BLOCK_K // CODES_PER_BYTE)
     q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
               + ((pid_k * SLICES + offs_s) * slice_bytes)[:, None, None] * stride_qk
               + offs_q[None, None, :] * stride_qk)  # (SLICES, BLOCK_N, BLOCK_K // CODES_PER_BYTE)

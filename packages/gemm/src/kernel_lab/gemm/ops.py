@@ -550,7 +550,8 @@ def quantized_matmul_fwd(
         launch = {} if interpret else dict(num_warps=plan.slices, num_stages=plan.num_stages)
         runtime.launchable(_weight_only_decode_kernel, traced, key)[plan.grid(n)](
             *common, ws, c if bias is None else bias, m, n, k, *strides,
-            ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0, plan.slice_len, group_size,
+            ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0, plan.slice_len // plan.block_k,
+            group_size,
             BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
             WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, K_TAIL=k % plan.block_k != 0,
             MASK_M=m < plan.block_m, BLOCK_M=plan.block_m,
