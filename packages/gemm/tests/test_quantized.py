@@ -405,6 +405,39 @@ def test_quantized_matmul_torch_compile_fullgraph(seed):
                                       name="compiled int4 matmul")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 128)])
+def test_compile_sees_only_the_output_written_by_the_decode_kernel(bits, group_size):
+    """torch.compile works out which tensors a user Triton kernel writes by building it with the
+    scalar arguments as constants; where that build fails it assumes every input is written,
+    clones each one (the weight too, on every call) and, with the output also passed in an unused
+    pointer's place, returned an unwritten clone (a tl.multiple_of on a scalar argument did that:
+    wrong results under torch.compile). Its analysis must name the output alone."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from kernel_lab.gemm import _kernels, ops
+
+    m, n, k = 8, 256, 512
+    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=0)
+    qw = quantize_weight(testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=1), bits, group_size)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    plan = ops._weight_only_plan(m, n, k, bits, qw.group_size, x.device)
+    args = dict(
+        x_ptr=x, q_ptr=qw.qdata, scales_ptr=qw.scales, zeros_ptr=c, c_ptr=c, bias_ptr=c, M=m, N=n, K=k,
+        stride_xm=k, stride_xk=1, stride_qn=qw.qdata.stride(0), stride_qk=1, stride_sn=qw.scales.stride(0),
+        stride_sg=qw.scales.stride(1), stride_cm=n, stride_cn=1, stride_cs=0,
+        SLICE_STEPS=plan.slice_len // plan.block_k, GROUP_SIZE=qw.group_size, BITS=bits, HAS_ZEROS=False,
+        PER_CHANNEL=qw.group_size == k, HAS_BIAS=False, WRITE_PARTIAL=False, USE_PRMT=True, SLICES=plan.slices,
+        K_TAIL=False, MASK_M=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=plan.block_k,
+    )
+    if hasattr(triton_kernel_wrap, "identify_mutated_tensors"):  # torch 2.11
+        written = triton_kernel_wrap.identify_mutated_tensors(_kernels._weight_only_decode_kernel, args, {})
+    else:  # later torch
+        accessed = triton_kernel_wrap.identify_accessed_tensors(_kernels._weight_only_decode_kernel, args, {})
+        written = [dep.name for dep in accessed.read_writes.writes]
+    assert sorted(written) == ["c_ptr"]
+
+
 @pytest.mark.interpret
 def test_backward_through_the_forward_only_op_raises(kernel_device, seed):
     """Forward only: a backward through it raises instead of silently dropping its gradient."""
