@@ -382,7 +382,7 @@ def _weight_only_decode_kernel(
     product is computed transposed, dequant(q) (BLOCK_N, BLOCK_K) @ x^T (BLOCK_K, BLOCK_M), so
     that the dequantized tile, in registers, is the MMA's first operand; 16-row products run
     as mma.sync. H100 sweep (M = 16, bf16, the Llama-3-8B projections, CUDA-graph replays over
-    rotated weight copies; scratch): 1.3-1.5x faster than the earlier kernel, which gave each
+    rotated weight copies; scratch): 1.1-1.5x faster than the earlier kernel, which gave each
     program 64-128 rows over 4-8 warps on warpgroup MMAs and split K across programs with a
     reduce launch (its K loop ran at a fraction of the issue rate with one or two programs an SM).
 
