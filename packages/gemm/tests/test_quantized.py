@@ -265,6 +265,19 @@ def test_quantized_linear_module_and_strided_batched_input(kernel_device, seed):
     assert "bits=4" in repr(q) and q.compression > 3
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 32)])
+def test_decode_reads_a_column_major_x_in_place(kernel_device, seed, bits, group_size):
+    """The decode kernel's x tiles follow x's column stride: a column-major x (a transposed
+    view) gives the result of its contiguous copy."""
+    x = testing.randn(96, 3, dtype=torch.float16, device=kernel_device, seed=seed).t()
+    w = testing.randn(40, 96, dtype=torch.float16, device=kernel_device, seed=seed + 1, scale=0.1)
+    qw = quantize_weight(w, bits, group_size)
+    assert x.stride() == (1, 3)
+    assert torch.equal(quantized_matmul(x, qw), quantized_matmul(x.contiguous(), qw))
+    check_quantized(x, qw)
+
+
 def test_quantized_linear_builds_its_weight_once_per_set_of_buffers(seed, monkeypatch):
     """forward reuses one checked QuantizedWeight (no per-call rebuild) until something it was
     built from changes: a buffer or format field assigned, a device move (which must not keep
