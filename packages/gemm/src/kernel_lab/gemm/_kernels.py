@@ -402,7 +402,10 @@ def _weight_only_decode_kernel(
     # few L2 lines holding it busy (H100, int4, N x K = 14336 x 4096: 53 us against 30 at M = 16).
     # MASK_M: at M = BLOCK_M the mask would only cost instructions in the loop.
     m_mask = (offs_m < M)[None, None, :] if MASK_M else tl.full((1, 1, 1), True, tl.int1)
-    # (a product with BLOCK_K, so that the compiler knows the slices' int4 byte offsets 16-aligned)
+    # A product with BLOCK_K, so that the compiler knows the slices' int4 byte offsets 16-aligned.
+    # (Not tl.multiple_of on a SLICE_LEN argument: torch.compile builds the kernel with its scalar
+    # arguments as constants to see which tensors it writes, tl.multiple_of fails on a constant,
+    # and torch.compile then takes every argument as written and clones it.)
     SLICE_LEN = SLICE_STEPS * BLOCK_K
     offs_s = tl.arange(0, SLICES)
     slice_start = (pid_k * SLICES + offs_s) * SLICE_LEN  # (SLICES,) first column of each slice

@@ -542,16 +542,18 @@ def quantized_matmul_fwd(
         scales.stride(0), scales.stride(1), _tensor_key(x), _tensor_key(qdata), _tensor_key(scales),
         _tensor_key(zeros), _tensor_key(bias), bits, group_size,
     )
-    common = (x, qdata, scales, c if zeros is None else zeros)
     strides = (x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1))
     if m <= SKINNY_MAX_M:
         plan = _weight_only_plan(m, n, k, bits, group_size, x.device)
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
         launch = {} if interpret else dict(num_warps=plan.slices, num_stages=plan.num_stages)
+        # Absent zero points and bias take the scales' place, not the output's: should
+        # torch.compile fail to see which tensors the kernel writes (see SLICE_STEPS in the
+        # kernel), it clones every argument, and an output passed twice came back unwritten.
         runtime.launchable(_weight_only_decode_kernel, traced, key)[plan.grid(n)](
-            *common, ws, c if bias is None else bias, m, n, k, *strides,
-            ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0, plan.slice_len // plan.block_k,
-            group_size,
+            x, qdata, scales, scales if zeros is None else zeros, ws, scales if bias is None else bias,
+            m, n, k, *strides, ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0,
+            plan.slice_len // plan.block_k, group_size,
             BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
             WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, K_TAIL=k % plan.block_k != 0,
             MASK_M=m < plan.block_m, BLOCK_M=plan.block_m, BLOCK_N=WEIGHT_ONLY_BLOCK_N, BLOCK_K=plan.block_k, **launch,
@@ -568,7 +570,8 @@ def quantized_matmul_fwd(
         launch = dict(num_warps=8, num_stages=3)
     grid = (runtime.cdiv(m, block_m) * runtime.cdiv(n, block_n), 1)
     runtime.launchable(_quantized_matmul_kernel, traced, key)[grid](
-        *common, c, c if bias is None else bias, m, n, k, *strides, c.stride(0), c.stride(1), group_size,
+        x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias, m, n, k, *strides,
+        c.stride(0), c.stride(1), group_size,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, USE_PRMT=not interpret,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, **launch,
     )
