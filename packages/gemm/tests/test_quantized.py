@@ -408,6 +408,24 @@ def test_quantized_matmul_llama_shapes(seed, bits, group_size, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m", [2, 17, 32, 64])
+def test_int4_decode_ptx_dequantization(seed, dtype, symmetric, m):
+    """The int4 decode kernel's PTX nibble conversion (the interpreter runs Triton's form) in
+    both of its loops: x split into even and odd columns (up to 32 rows), the nibbles joined
+    into column order (64 rows); every nibble value (1 to 15 symmetric, stored offset by 8; 0 to
+    15 with zero points)."""
+    n, k = 272, 2048
+    w = testing.randn(n, k, dtype=dtype, device="cuda", seed=seed + 1, scale=k**-0.5)
+    qw = quantize_weight(w, 4, 128, symmetric)
+    nibbles = set(torch.cat([qw.qdata & 15, qw.qdata >> 4]).unique().tolist())
+    assert nibbles == set(range(1 if symmetric else 0, 16))
+    check_quantized(testing.randn(m, k, dtype=dtype, device="cuda", seed=seed), qw,
+                    testing.randn(n, dtype=dtype, device="cuda", seed=seed + 2))
+
+
+@pytest.mark.gpu
 def test_quantized_matmul_torch_compile_fullgraph(seed):
     x = testing.randn(8, 512, dtype=torch.bfloat16, device="cuda", seed=seed)
     qw = quantize_weight(testing.randn(256, 512, dtype=torch.bfloat16, device="cuda", seed=seed + 1), 4, 128)
@@ -439,7 +457,8 @@ def test_compile_sees_only_the_output_written_by_the_decode_kernel(bits, group_s
         x_ptr=x, q_ptr=qw.qdata, scales_ptr=qw.scales, zeros_ptr=c, c_ptr=c, bias_ptr=c, M=m, N=n, K=k,
         stride_xm=k, stride_xk=1, stride_qn=qw.qdata.stride(0), stride_qk=1, stride_sn=qw.scales.stride(0),
         stride_sg=qw.scales.stride(1), stride_cm=n, stride_cn=1, stride_cs=0,
-        SLICE_STEPS=plan.slice_len // plan.block_k, GROUP_SIZE=qw.group_size, BITS=bits, HAS_ZEROS=False,
+        SLICE_STEPS=plan.slice_len // plan.block_k, GROUP_SIZE=0 if qw.group_size == k else qw.group_size,
+        BITS=bits, HAS_ZEROS=False,
         PER_CHANNEL=qw.group_size == k, HAS_BIAS=False, WRITE_PARTIAL=False, USE_PRMT=True, SLICES=plan.slices,
         K_TAIL=False, MASK_M=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=plan.block_k,
     )

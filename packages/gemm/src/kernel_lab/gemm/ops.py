@@ -553,7 +553,7 @@ def quantized_matmul_fwd(
         runtime.launchable(_weight_only_decode_kernel, traced, key)[plan.grid(n)](
             x, qdata, scales, scales if zeros is None else zeros, ws, scales if bias is None else bias,
             m, n, k, *strides, ws.stride(-2), ws.stride(-1), ws.stride(0) if plan.split_k > 1 else 0,
-            plan.slice_len // plan.block_k, group_size,
+            plan.slice_len // plan.block_k, 0 if group_size == k else group_size,
             BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
             WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, K_TAIL=k % plan.block_k != 0,
             MASK_M=m < plan.block_m, BLOCK_M=plan.block_m, BLOCK_N=WEIGHT_ONLY_BLOCK_N, BLOCK_K=plan.block_k, **launch,
