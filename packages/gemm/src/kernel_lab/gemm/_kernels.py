@@ -326,19 +326,18 @@ def _quantized_matmul_kernel(
     # The K-tail masks below are written against the scalar bound k_len: see _split_k_tile.
     _, _, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(M, N, K, K, BLOCK_M, BLOCK_N, GROUP_M)
     dtype = x_ptr.dtype.element_ty
+    offs_x = tl.arange(0, BLOCK_K)
     if BITS == 8:
-        offs_k = tl.arange(0, BLOCK_K)
-        x_cols = k_start + offs_k  # the x columns of the tile (and the code columns)
-        q_cols = x_cols
+        offs_k = offs_x
+        q_cols = k_start + offs_k
     else:
-        # Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high nibble): the even and
-        # odd columns of x are loaded as two half tiles and multiplied with the two nibbles,
-        # which avoids interleaving the unpacked codes in registers.
+        # Byte j of a row holds columns 2j (low nibble) and 2j + 1 (high nibble): x is loaded as
+        # one contiguous tile and split in registers into its even and odd columns, which the two
+        # nibble tiles multiply (no interleaving of the unpacked codes).
         offs_k = tl.arange(0, BLOCK_K // 2)
-        x_cols = k_start + 2 * offs_k
         q_cols = k_start // 2 + offs_k
     q_ptrs = q_ptr + offs_qn[None, :] * stride_qn + q_cols[:, None] * stride_qk  # (K, BLOCK_N) codes
-    x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + x_cols[None, :] * stride_xk  # (M, K) of x
+    x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_x)[None, :] * stride_xk  # (M, K) of x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
         g = (k_start + k) // GROUP_SIZE
@@ -352,12 +351,11 @@ def _quantized_matmul_kernel(
         else:
             k_mask = offs_k < (k_len - k) // 2  # k_len is even: K is
         codes = tl.load(q_ptrs, mask=k_mask[:, None], other=0)
+        x = tl.load(x_ptrs, mask=(offs_x < k_len - k)[None, :], other=0.0)
         if BITS == 8:
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             part = tl.dot(x, _int8_weights(codes, zero[None, :], dtype, not HAS_ZEROS, USE_PRMT))
         else:
-            x_even = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            x_odd = tl.load(x_ptrs + stride_xk, mask=k_mask[None, :], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
             w_lo, w_hi = _int4_weights(codes, zero[None, :], dtype, USE_PRMT)
             part = tl.dot(x_odd, w_hi, tl.dot(x_even, w_lo))
         acc += part * scale[None, :]
