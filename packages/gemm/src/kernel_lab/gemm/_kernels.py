@@ -411,10 +411,10 @@ def _weight_only_decode_kernel(
     odd columns, which the two nibble tiles multiply (two products). Offline sm_90 SASS of the
     loop (16 weight rows, 128-column steps, bf16, group 128): 3.7 instructions per weight, 5.8
     when the nibbles were converted by Triton's form (_int4_weights) and joined back into
-    column order instead. H200 scratch run, M = 8 and 16, int4 group 128 with and without zero
-    points, the Llama-3-8B projections (CUDA-graph replays, kernels alternated): 1.08-1.26x
-    faster than that. With 64 rows of x the split costs more than the join (0.73-0.85x), and
-    the nibbles are joined.
+    column order instead. H200 scratch run, int4 group 128 with and without zero points, the
+    Llama-3-8B projections (CUDA-graph replays, both kernels alternated): 1.14-1.28x faster
+    than that at M = 2 and 16, 0.97-1.16x at M = 32. With 64 rows of x the split cost more than
+    the join (0.73-0.85x), so there the PTX nibbles are joined (0.94-1.21x).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
