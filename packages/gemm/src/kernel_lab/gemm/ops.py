@@ -103,10 +103,16 @@ RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
 # int4 12.2 / 16.3 / 30.5 / 33.1 against 24.4 / 25.0 / 35.1 / 36.8; at M = 64 int8 16.1 / 22.9 /
 # 46.1 / 47.3 against 25.9 / 26.4 / 41.3 / 50.3, int4 17.9 / 24.9 / 54.4 / 51.7 against 55.3 / 55.0 /
 # 56.9 / 74.2 (the rules below pick those configurations or ones within 13% of them).
+# int4 at M <= 32 since the PTX nibble conversion (gemm 0.1.16), whose loop has a third fewer
+# instructions: fewer warps per SM, H100 scratch sweep of the targets (M = 16: 14, 28, 56 with
+# up to 4 or 8 slices; M = 32: 4, 8, 16), us as above: M = 16 14336x4096 takes 2 slices, 19.5
+# against 21.4 with 4 (8 slices: 10.5 / 15.2 against 8.5 / 10.7 at 4096 / 6144 rows); M = 32
+# 6144x4096 takes 4 slices, 14.8 against 18.0 with 2, and 14336x4096 one, 29.4 against 35.6
+# with 2. int8 was swept again too (targets 2, 4, 8, 16): 4 stayed the fastest or level.
 WEIGHT_ONLY_BLOCK_N = 16
 WEIGHT_ONLY_TILES = {
     (8, 16): (256, 4, 8), (8, 32): (128, 8, 8), (8, 64): (128, 4, 8),
-    (4, 16): (128, 28, 4), (4, 32): (128, 8, 4), (4, 64): (128, 4, 4),
+    (4, 16): (128, 14, 4), (4, 32): (128, 12, 4), (4, 64): (128, 4, 4),
 }
 # Pipeline depth: 3 stages, and 4 for int8 at BLOCK_M = 16 while the programs are at most 3 an SM
 # (a 1-warp program with 4 stages of 256-column steps holds 48 KB of shared memory: past about 3
