@@ -2,7 +2,8 @@
 
 - Every round is timed with `kernel_lab.shared.bench.cuda_timer` (pass it as
   `--benchmark-timer`; `nox -s bench` does).
-- The saved JSON's machine_info carries device, capability, driver, CUDA, torch and triton.
+- The saved JSON's machine_info carries device, capability, driver, CUDA, torch and triton,
+  and the installed kernel-lab packages' versions.
 - Each row's extra_info gains `speedup` over its group's baseline (and `vs_best_peer` on
   kernel_lab rows) before the JSON is written; the terminal summary prints the table.
 """
@@ -22,8 +23,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+def _package_versions() -> dict[str, str]:
+    """`__version__` of every installed kernel_lab package. The history's commit_info names the
+    checkout's git HEAD, which on a machine that received a copy of a working tree can be an older
+    commit than the code that ran (its "dirty" flag set): the package versions say what ran. (Read
+    from the modules: an editable install's distribution metadata keeps the version it was
+    installed at.)"""
+    import importlib
+    import pkgutil
+
+    import kernel_lab
+
+    found = {}
+    for module in pkgutil.iter_modules(kernel_lab.__path__):
+        version = getattr(importlib.import_module(f"kernel_lab.{module.name}"), "__version__", None)
+        if version is not None:
+            found[module.name] = version
+    return dict(sorted(found.items()))
+
+
 def pytest_benchmark_update_machine_info(config, machine_info) -> None:
     machine_info["kernel_lab"] = runtime.versions()
+    machine_info["kernel_lab"]["packages"] = _package_versions()
     if runtime.cuda_available():
         info = runtime.device_info()
         machine_info["kernel_lab"].update(
