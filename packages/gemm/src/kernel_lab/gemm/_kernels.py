@@ -311,7 +311,7 @@ def _quantized_matmul_kernel(
     BITS: tl.constexpr,  # 8: one int8/uint8 code per byte; 4: two codes per uint8, low nibble first
     HAS_ZEROS: tl.constexpr,  # per-group uint8 zero points; else 0 (int8) or 8 (int4)
     HAS_BIAS: tl.constexpr,
-    USE_PRMT: tl.constexpr,  # int8 codes: see _biased_code_floats
+    USE_PRMT: tl.constexpr,  # a GPU: PTX code conversions (_biased_code_floats, _int4_weights)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = x @ dequant(q)^T + bias at prefill sizes (M > 64; decode: _weight_only_decode_kernel),
