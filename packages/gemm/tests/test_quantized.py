@@ -159,7 +159,7 @@ def test_quantized_matmul_matches_dequantized_reference(kernel_device, seed, bit
 
 # (m, n, k) of the decode kernel's interpret cases, each run with the interpreter's 4 stand-in SMs
 # and with 64 (more slices and K splits): test_decode_cases_cover_the_plan checks what they reach.
-DECODE_SHAPES = [(2, 16, 512), (16, 40, 96), (64, 24, 160), (3, 48, 384), (5, 300, 64), (4, 20, 70)]
+DECODE_SHAPES = [(2, 16, 512), (16, 40, 96), (64, 24, 160), (3, 48, 384), (5, 300, 64), (4, 20, 70), (24, 40, 256)]
 DECODE_FORMATS = [(8, None, True), (8, 32, False), (4, 32, True), (4, None, False)]  # bits, group_size, symmetric
 
 
@@ -177,14 +177,15 @@ def _decode_plans():
 def test_decode_cases_cover_the_plan():
     """The interpret cases below reach every branch of the decode kernel: several slices, a K
     split (reduce launch), slices that end past K and empty ones, slices of several steps with the
-    group changing between them, a K tail, M below and at BLOCK_M, BLOCK_M of 64."""
+    group changing between them, a K tail, M below and at BLOCK_M, BLOCK_M of 16, 32 and 64 (int4
+    splits x into even and odd columns up to 32 rows and joins the nibbles at 64)."""
     plans = list(_decode_plans())
     assert any(p.split_k > 1 for *_, p in plans)
     assert any(p.slices > 1 and p.slices * p.slice_len * p.split_k - k >= p.slice_len for (_, _, k), _, _, p in plans)
     assert any(p.slice_len > p.block_k and g is not None and g <= p.block_k for _, _, g, p in plans)
     assert any(k % p.block_k for (_, _, k), *_, p in plans)
     assert {m < p.block_m for (m, _, _), *_, p in plans} == {True, False}
-    assert any(p.block_m == 64 for *_, p in plans)
+    assert {p.block_m for *_, p in plans} == {16, 32, 64}
 
 
 @pytest.mark.interpret
