@@ -391,7 +391,8 @@ def _weight_only_decode_kernel(
 
     Decode moves the weight once and does little math on it, but each code needs a few
     instructions to become a float, and a warp issues at most one instruction a cycle: the
-    weight-only decode is bound by how many warps dequantize at once, not by the bytes. So a
+    weight-only decode's speed follows those instructions and the warps issuing them, not the
+    bytes (past the plan's warps per SM, more slices were slower again). So a
     program is small (BLOCK_N = 16 weight rows) and cuts its K range into SLICES contiguous
     slices, one per warp: the tiles carry a leading SLICES dimension, tl.dot is a batched
     product (slice s of the codes with slice s of x), and the SLICES partial tiles are summed

@@ -86,8 +86,8 @@ RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
 # x^2 program and no reduce kernel.
 RMS_NORM_LINEAR_DOT_SSQ_MAX_M = 16
 # The weight-only (dequantizing) decode kernel (_weight_only_decode_kernel): 16 weight rows a
-# program, its K range cut into slices, one a warp. Its loop is bound by instruction issue (a few
-# instructions turn a code into a float, and a warp issues one a cycle), so the plan aims for
+# program, its K range cut into slices, one a warp. Its loop's speed follows the instructions that
+# turn codes into floats (a few a code; a warp issues one a cycle), not the bytes, so the plan aims for
 # warps in flight: slices (powers of two up to a maximum) double while the column tiles x slices
 # stay within a number of warps per SM, and K is split across programs (a reduce launch) only
 # where tiles x slices leave SMs without a warp (few weight rows, e.g. N = 128). Per (code bits, BLOCK_M):
