@@ -15,6 +15,8 @@ Groups (one per shape and dtype, one row per implementation):
   launch of a single short kernel is what they measure; pytest-benchmark's time is per replay,
   extra_info["calls_per_round"] the calls in it (bytes and FLOPs count them all; the report
   shows ms per call), extra_info["timing"] says "cuda-graph" (or "eager" where capture failed).
+- weight-only prefill: M = 4096 x the four projections, bf16 x; rows kernel_lab-int8 (per
+  channel) and kernel_lab-int4 (group 128) against cuBLAS bf16 on the dense weight (baseline).
 - fp8: per-tensor scaled (row-wise for one group), torch._scaled_mm as the baseline; the
   decode-shaped group (M = 16) is timed as the decode groups are (weight copies, CUDA graphs).
 - rms_norm_linear: M in {1, 16, 64}, N x K = 6144 x 4096 (Llama-3-8B's fused QKV), bf16; rows:
@@ -142,6 +144,37 @@ def test_gemm_prefill_epilogue(benchmark, impl):
     bench.run_cuda(benchmark, fn, rounds=10)
     bench.annotate(
         benchmark, impl=impl, role=_role(impl), bytes_moved=(m * k + n * k + m * n + n) * 2,
+        flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16",
+    )
+
+
+# --- weight-only prefill -------------------------------------------------------------------------
+
+WEIGHT_ONLY_PREFILL = [(4096, n, k) for n, k in PROJECTIONS]
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel_lab-int8", "kernel_lab-int4"])
+@pytest.mark.parametrize("shape", WEIGHT_ONLY_PREFILL, ids=[f"M{m}-N{n}-K{k}" for m, n, k in WEIGHT_ONLY_PREFILL])
+def test_gemm_weight_only_prefill(benchmark, shape, impl):
+    """quantized_matmul at prefill sizes (int8 per channel, int4 group 128, codes dequantized in
+    the K loop) against cuBLAS bf16 on the dense weight; bytes count the weight as stored."""
+    m, n, k = shape
+    benchmark.group = f"gemm weight-only prefill M{m} N{n} K{k} bf16"
+    x = _rand(m, k, dtype=torch.bfloat16, seed=m + k)
+    w = _rand(n, k, dtype=torch.bfloat16, seed=n + k, scale=k**-0.5)
+    if impl == "torch":
+        fn, weight_bytes = (lambda: x @ w.t()), w.numel() * 2
+        ref = reference.matmul(x[:ERROR_ROWS], w.t())
+    else:
+        bits, group = (8, None) if impl.endswith("int8") else (4, 128)
+        qw = gemm.quantize_weight(w, bits, group)
+        fn, weight_bytes = (lambda: gemm.quantized_matmul(x, qw)), qw.nbytes
+        ref = reference.quantized_matmul(x[:ERROR_ROWS], qw.qdata, qw.scales, qw.zeros, bits=bits,
+                                         group_size=qw.group_size)
+    err = _max_error(fn(), ref)
+    bench.run_cuda(benchmark, fn, rounds=10)
+    bench.annotate(
+        benchmark, impl=impl, role=_role(impl), bytes_moved=weight_bytes + (m * k + m * n) * 2,
         flops=bench.matmul_flops(m, n, k), max_error=err, shape=f"{m}x{n}x{k}", dtype="bf16",
     )
 

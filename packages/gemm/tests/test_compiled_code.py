@@ -62,9 +62,14 @@ CASES = {
                     dict(BITS=8, HAS_ZEROS=False, PER_CHANNEL=True, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
                          SLICES=2, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_SIZE=0,
                          stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 2, 4),
+    # (the launcher's tiles: ops.QUANT_PREFILL_TILES)
     "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                       zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
-                     dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, USE_PRMT=True, BLOCK_M=128, BLOCK_N=128,
+                     dict(BITS=8, HAS_ZEROS=False, HAS_BIAS=False, USE_PRMT=True, BLOCK_M=128, BLOCK_N=64,
+                          BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 4, 3),
+    "int4-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*u8", scales_ptr="*bf16",
+                                                      zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
+                     dict(BITS=4, HAS_ZEROS=False, HAS_BIAS=False, USE_PRMT=True, BLOCK_M=128, BLOCK_N=128,
                           BLOCK_K=128, GROUP_M=8, stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 8, 3),
 }  # fmt: skip
 

@@ -410,6 +410,21 @@ def test_quantized_matmul_llama_shapes(seed, bits, group_size, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group_size,symmetric", [(8, None, True), (8, 64, False), (4, 128, True),
+                                                       (4, 32, False)])
+def test_prefill_tiles_with_tails(seed, dtype, bits, group_size, symmetric):
+    """The prefill kernel (M > 64; it computes c^T = dequant(q) @ x^T) in the launcher's GPU tiles
+    (QUANT_PREFILL_TILES) with partial tiles in M and N, a bias and zero points, in both 16-bit
+    dtypes (the interpreter runs its tensor-core products in float16 and float32 only)."""
+    m, n, k = 200, 328, 1024
+    x = testing.randn(m, k, dtype=dtype, device="cuda", seed=seed)
+    w = testing.randn(n, k, dtype=dtype, device="cuda", seed=seed + 1, scale=k**-0.5)
+    check_quantized(x, quantize_weight(w, bits, group_size, symmetric),
+                    testing.randn(n, dtype=dtype, device="cuda", seed=seed + 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("m", [2, 17, 32, 64])
 def test_int4_decode_ptx_dequantization(seed, dtype, symmetric, m):

@@ -319,9 +319,22 @@ def _quantized_matmul_kernel(
 
     q is (N, K) codes (or (N, K // 2) bytes for int4), scales / zeros (N, K // GROUP_SIZE).
     A K tile never straddles two groups (the launcher keeps GROUP_SIZE % BLOCK_K == 0), so each
-    tile has one scale per column: the integer codes minus the zero point are exact in
+    tile has one scale per weight row: the integer codes minus the zero point are exact in
     float16 / bfloat16 (|code - zero| <= 255), the tile product runs on tensor cores and the
     scale multiplies its float32 result.
+
+    The product is computed transposed, c^T (BLOCK_N, BLOCK_M) = dequant(q) @ x^T. Hopper's
+    warpgroup MMA takes its first operand from registers but its second only from shared
+    memory: with the dequantized tile first it goes from the conversion straight into the MMA,
+    and x^T, which needs no arithmetic, takes the shared-memory side. Written as x @ dequant(q)^T
+    (before kernel-lab-gemm 0.1.17) every dequantized tile was stored to shared memory and read
+    back each step, and the kernel spilled (offline sm_90 SASS with unit K strides, as launched:
+    255 registers, 22 (int8) and 35 (int4) local loads; now 234 and 238 registers, none). Codes
+    and x arrive by asynchronous copies either way. H200, M = 4096, the Llama-3-8B projections,
+    x cuBLAS bf16 on the dense weight: int8 0.33-0.36 -> 0.45-0.52, int4 0.24-0.25 -> 0.43-0.46
+    (scratch, two runs, kernels launched back to back, alternated rounds). Prefetching the next
+    step's tiles into registers was slower (0.26-0.33x). What holds the loop at about half of
+    cuBLAS was not profiled.
     """
     # The K-tail masks below are written against the scalar bound k_len: see _split_k_tile.
     _, _, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(M, N, K, K, BLOCK_M, BLOCK_N, GROUP_M)
@@ -336,9 +349,9 @@ def _quantized_matmul_kernel(
         # nibble tiles multiply (no interleaving of the unpacked codes).
         offs_k = tl.arange(0, BLOCK_K // 2)
         q_cols = k_start // 2 + offs_k
-    q_ptrs = q_ptr + offs_qn[None, :] * stride_qn + q_cols[:, None] * stride_qk  # (K, BLOCK_N) codes
-    x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_x)[None, :] * stride_xk  # (M, K) of x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q_ptrs = q_ptr + offs_qn[:, None] * stride_qn + q_cols[None, :] * stride_qk  # (BLOCK_N, K) codes
+    x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + (k_start + offs_x)[None, :] * stride_xk  # (BLOCK_M, K) of x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # c^T
     for k in range(0, k_len, BLOCK_K):
         g = (k_start + k) // GROUP_SIZE
         scale = tl.load(scales_ptr + offs_qn * stride_sn + g * stride_sg).to(tl.float32)
@@ -350,20 +363,21 @@ def _quantized_matmul_kernel(
             k_mask = offs_k < k_len - k
         else:
             k_mask = offs_k < (k_len - k) // 2  # k_len is even: K is
-        codes = tl.load(q_ptrs, mask=k_mask[:, None], other=0)
+        codes = tl.load(q_ptrs, mask=k_mask[None, :], other=0)
         x = tl.load(x_ptrs, mask=(offs_x < k_len - k)[None, :], other=0.0)
         if BITS == 8:
-            part = tl.dot(x, _int8_weights(codes, zero[None, :], dtype, not HAS_ZEROS, USE_PRMT))
+            part = tl.dot(_int8_weights(codes, zero[:, None], dtype, not HAS_ZEROS, USE_PRMT), tl.trans(x))
         else:
             x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-            w_lo, w_hi = _int4_weights(codes, zero[None, :], dtype, USE_PRMT)
-            part = tl.dot(x_odd, w_hi, tl.dot(x_even, w_lo))
-        acc += part * scale[None, :]
+            w_lo, w_hi = _int4_weights(codes, zero[:, None], dtype, USE_PRMT)
+            part = tl.dot(w_hi, tl.trans(x_odd), tl.dot(w_lo, tl.trans(x_even)))
+        acc += part * scale[:, None]
         x_ptrs += BLOCK_K * stride_xk
         q_ptrs += (BLOCK_K if BITS == 8 else BLOCK_K // 2) * stride_qk
+    c = tl.trans(acc)
     _epilogue_store(
-        acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-        bias_ptr, bias_ptr, 0, bias_ptr, 0, acc,
+        c, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+        bias_ptr, bias_ptr, 0, bias_ptr, 0, c,
         HAS_BIAS, False, False, "none",
     )
 
