@@ -332,7 +332,8 @@ def _quantized_matmul_kernel(
     255 registers, 22 (int8) and 35 (int4) local loads; now 234 and 238 registers, none). Codes
     and x arrive by asynchronous copies either way. H200, M = 4096, the Llama-3-8B projections,
     x cuBLAS bf16 on the dense weight: int8 0.33-0.36 -> 0.45-0.52, int4 0.24-0.25 -> 0.43-0.46
-    (scratch, two runs, kernels launched back to back, alternated rounds). Prefetching the next
+    (scratch, two runs, kernels launched back to back, alternated rounds; H100: 0.33-0.34 ->
+    0.47-0.49 and 0.22-0.23 -> 0.42-0.45). Prefetching the next
     step's tiles into registers was slower (0.26-0.33x). What holds the loop at about half of
     cuBLAS was not profiled.
     """
