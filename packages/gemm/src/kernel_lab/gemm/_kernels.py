@@ -333,9 +333,8 @@ def _quantized_matmul_kernel(
     and x arrive by asynchronous copies either way. H200, M = 4096, the Llama-3-8B projections,
     x cuBLAS bf16 on the dense weight: int8 0.33-0.36 -> 0.45-0.52, int4 0.24-0.25 -> 0.43-0.46
     (scratch, two runs, kernels launched back to back, alternated rounds; H100: 0.33-0.34 ->
-    0.47-0.49 and 0.22-0.23 -> 0.42-0.45). Prefetching the next
-    step's tiles into registers was slower (0.26-0.33x). What holds the loop at about half of
-    cuBLAS was not profiled.
+    0.47-0.49 and 0.22-0.23 -> 0.42-0.45). Prefetching the next step's tiles into registers was
+    slower (0.26-0.33x). What holds the loop at about half of cuBLAS was not profiled.
     """
     # The K-tail masks below are written against the scalar bound k_len: see _split_k_tile.
     _, _, offs_m, offs_n, offs_xm, offs_qn, k_start, k_len = _split_k_tile(M, N, K, K, BLOCK_M, BLOCK_N, GROUP_M)
