@@ -138,7 +138,7 @@ M_BUCKET_CAP = 4096
 # 128-wide K steps (less where the group is smaller) and 3 stages. H200 sweeps at M = 4096
 # (scratch, kernels launched back to back, alternated rounds; N x K 4096x4096, 14336x4096 and
 # 4096x14336, x cuBLAS bf16 on the dense weight): int8 per channel (128, 64, 4 warps) 0.45-0.52
-# against 0.40-0.41 for (128, 128, 8); int4 group 128 (128, 128, 8 warps) 0.43-0.46 against
+# against 0.40-0.44 for (128, 128, 8); int4 group 128 (128, 128, 8 warps) 0.43-0.46 against
 # 0.39-0.41 for (128, 64, 4). 64- and 256-wide K steps, 2 or 4 stages, 64- and 256-row x tiles
 # and 256-row weight tiles were slower.
 QUANT_PREFILL_TILES = {8: (128, 64, 4), 4: (128, 128, 8)}
