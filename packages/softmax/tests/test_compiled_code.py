@@ -32,12 +32,13 @@ def _coop_ptx(direction: str, log: bool, dtype: str) -> str:
 
     if direction == "forward":
         fn, tensors = _kernels._softmax_fwd_coop_kernel, ("x_ptr", "y_ptr")
-        constexprs = dict(LOG=log, CHUNK=ops.COOP_CHUNK, BLOCK_N=ops.COOP_BLOCK_N, SPLITS_POW2=8, ALIGN=8)
+        constexprs = dict(LOG=log, CHUNK=ops.COOP_CHUNK, BLOCK_N=ops.COOP_BLOCK_N, SPLITS_POW2=8, ALIGN=8,
+                          WINDOW=False, VEC=8)
         num_warps = ops.COOP_NUM_WARPS
     else:
         fn, tensors = _kernels._softmax_bwd_coop_kernel, ("y_ptr", "dy_ptr", "dx_ptr")
         constexprs = dict(LOG=log, CHUNK=ops.LOG_BWD_COOP_CHUNK if log else ops.BWD_COOP_CHUNK, SPLITS_POW2=16,
-                          ALIGN=8)
+                          ALIGN=8, WINDOW=False, VEC=8)
         num_warps = ops.LOG_BWD_COOP_NUM_WARPS if log else ops.BWD_COOP_NUM_WARPS
     types = {name: f"*{dtype}" for name in tensors} | {"sync_ptr": "*i32"}
     return testing.compile_for_sm90(fn, types, constexprs, num_warps=num_warps, num_stages=3).asm["ptx"]
@@ -55,7 +56,7 @@ def test_cooperative_kernels_synchronise_without_a_fence(direction, log, dtype):
     assert "ld.volatile.global.b64" in ptx, "the statistics words are not read with volatile 64-bit loads"
 
 
-KERNELS = {  # every kernel of the package, with its constexprs (ALIGN, KEEP_IN_L2, PREFETCH vary below)
+KERNELS = {  # every kernel of the package, with its constexprs (ALIGN, KEEP_IN_L2, PREFETCH, WINDOW vary below)
     "_softmax_fwd_rows_kernel": dict(LOG=False, BLOCK_M=2, BLOCK_N=1024),
     "_softmax_fwd_coop_kernel": dict(LOG=False, CHUNK=16384, BLOCK_N=8192, SPLITS_POW2=8),
     "_softmax_fwd_looped_kernel": dict(LOG=False, BLOCK_N=16384),
@@ -80,9 +81,11 @@ def test_every_kernel_compiles(name, align):
     pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("max_ptr", "sum_ptr", "dot_ptr") else "*bf16"
                 for a in fn.arg_names if a.endswith("_ptr")}
     variants = [{}]
-    for flag in ("KEEP_IN_L2", "PREFETCH"):
+    for flag in ("KEEP_IN_L2", "PREFETCH", "WINDOW"):
         if flag in fn.arg_names:
             variants = [v | {flag: on} for v in variants for on in (False, True)]
+    if "WINDOW" in fn.arg_names:
+        variants = [v | {"VEC": 8} for v in variants if not (v["WINDOW"] and v.get("PREFETCH"))]
     if "PREFETCH" in fn.arg_names:  # its loops differ between the ops (log-softmax's first reads dy alone)
         variants = [v | {"LOG": log} for v in variants for log in (False, True)]
     for variant in variants:
@@ -108,3 +111,36 @@ def test_rows_kernels_load_16_bytes_at_a_time_where_the_hint_allows(direction):
                                        aligned=tuple(pointers)).asm["ptx"]
         vector_loads[align] = len(re.findall(r"\bld\.global[\w:.]*\.v4\.b32", ptx))
     assert vector_loads[8] > 0 and vector_loads[1] == 0, vector_loads
+
+
+WINDOW_KERNELS = {  # the long-row kernels, at the tiles of odd rows (ops.py) where those differ
+    "_softmax_fwd_coop_kernel": dict(LOG=False, CHUNK=16384, BLOCK_N=8192, SPLITS_POW2=8),
+    "_softmax_fwd_looped_kernel": dict(LOG=False, BLOCK_N=16384, KEEP_IN_L2=True),
+    "_softmax_bwd_coop_kernel": dict(LOG=False, CHUNK=4096, SPLITS_POW2=16),
+    "_softmax_bwd_split_kernel": dict(LOG=True, BLOCK_N=4096, SPLITS_POW2=8),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_KERNELS))
+def test_odd_rows_read_through_windows_move_16_bytes_at_a_time(name):
+    """bf16 rows of odd length (GPT-2's 50257 tokens): no two neighbours can be proven to share a
+    16-byte vector, so without windows every load and store is of one element (ALIGN=1); read
+    through 16-byte aligned windows (WINDOW, the kernels' _row_window) the loads are whole vectors
+    and so are the stores but for the row's two partial end vectors."""
+    from kernel_lab.softmax import _kernels
+
+    fn = getattr(_kernels, name)
+    pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a == "dot_ptr" else "*bf16"
+                for a in fn.arg_names if a.endswith("_ptr")}
+    counts = {}
+    for window in (True, False):
+        constexprs = WINDOW_KERNELS[name] | dict(ALIGN=1, WINDOW=window, VEC=8)
+        if "PREFETCH" in fn.arg_names:
+            constexprs["PREFETCH"] = False
+        # (the split kernels' chunk, a multiple of 16 columns, is specialised so at launch)
+        ptx = testing.compile_for_sm90(fn, pointers, constexprs, num_warps=4, num_stages=3,
+                                       aligned=(*pointers, "chunk")).asm["ptx"]
+        counts[window] = (len(re.findall(r"\bld\.global[\w:.]*\.v4\.b32", ptx)),
+                          len(re.findall(r"\bst\.global[\w:.]*\.v4\.b32", ptx)))
+    (loads, stores), (plain_loads, plain_stores) = counts[True], counts[False]
+    assert loads > 0 and stores > 0 and plain_loads == plain_stores == 0, counts

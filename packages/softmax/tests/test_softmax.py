@@ -228,7 +228,7 @@ def test_prefetching_looped_backward_matches_reference(log, n_cols, block_n, pad
     dx = torch.full((n_rows, n_cols), float("nan"), dtype=x.dtype, device=kernel_device)
     _softmax_bwd_looped_kernel[(n_rows,)](
         y, dy, dx, n_cols, y.stride(0), dy.stride(0), n_cols, LOG=log, KEEP_IN_L2=True, BLOCK_N=block_n, ALIGN=1,
-        PREFETCH=True,
+        PREFETCH=True, WINDOW=False, VEC=8,
     )
     torch_bwd = torch._softmax_backward_data if not log else torch._log_softmax_backward_data
     baseline = torch_bwd(dy, y, -1, y.dtype)
@@ -344,6 +344,28 @@ def test_every_vector_alignment(op_name, n_cols, row_stride, offset, align, long
     x.copy_(testing.randn(5, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=3.0))
     assert vector_alignment(x.element_size(), n_cols, x.stride(0)) == align
     assert ops._as_rows(x, 1).data_ptr() == x.data_ptr()  # read in place, not copied
+    check_forward_and_backward(op_name, x, seed=seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_rows, n_cols, path", [(40, 301, "looped"), (5, 301, "split"), (5, 77, "split")])
+def test_odd_rows_read_through_windows_ignore_their_neighbours(op_name, dtype, n_rows, n_cols, path, small_blocks,
+                                                              kernel_device, seed):
+    """Contiguous rows of odd length: each starts at another place within a 16-byte vector, and
+    the long-row kernels read it through an aligned window (ops._windowed), taking in up to a
+    vector's worth of its neighbours' elements on either side. Row 1 is large (60: it would
+    dominate a neighbour's max) and row 3 holds a NaN (it would poison a neighbour's sums):
+    the other rows must match the reference, row 3 be NaN as in torch, and the writes must
+    stop at each row's ends (the partial end vectors are written element by element)."""
+    small_blocks(64, 32)
+    plan = ops._plan(n_rows, n_cols, 64, ops.FWD_ROWS_TILE, torch.device("cpu"), 32, 32, 4)
+    assert plan.kind == path or kernel_device == "cuda"
+    x = testing.randn(n_rows, n_cols, dtype=dtype, device=kernel_device, seed=seed, scale=3.0)
+    x[1] = 60.0
+    x[3, n_cols // 2] = float("nan")
+    assert ops._windowed(16 // x.element_size(), x, x)
     check_forward_and_backward(op_name, x, seed=seed)
 
 

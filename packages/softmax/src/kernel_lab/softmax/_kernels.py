@@ -40,18 +40,79 @@ def _safe_shift(m):
     return tl.where(m == float("-inf"), 0.0, m)
 
 
+@triton.jit
+def _row_window(row_offset, n_cols, WINDOW: tl.constexpr, VEC: tl.constexpr):
+    """Where a row lies in what its programs read: (first element read, lo, hi, end).
+
+    Without WINDOW, the row itself: reads start at its first element, its columns are [0, n_cols)
+    and `end` = n_cols. With WINDOW (rows of odd length or stride, see ops._window), reads start
+    at the VEC-aligned element at or below the row's first (VEC elements are 16 bytes): the row
+    is then columns [lo, hi) = [lead, lead + n_cols) of that window, and every access is a whole
+    16-byte vector up to `end`, hi rounded up to a multiple of VEC. The fewer than VEC elements
+    read on either side of the row belong to the neighbouring rows, or to the tensor's last
+    16-byte segment: read, never used, never written. (Without it no two neighbours of such a
+    row can be proven to share a vector, and every access is of one element.)"""
+    if WINDOW:
+        first = row_offset // VEC * VEC
+        lo = row_offset - first
+        hi = lo + n_cols
+        end = (hi + VEC - 1) // VEC * VEC
+    else:
+        first = row_offset
+        lo = 0
+        hi = n_cols
+        end = n_cols
+    return first, lo, hi, end
+
+
+@triton.jit
+def _in_row(values, cols, lo, hi, fill, WINDOW: tl.constexpr):
+    """values with `fill` at the columns outside the row [lo, hi) of a WINDOW read."""
+    if WINDOW:
+        values = tl.where((cols >= lo) & (cols < hi), values, fill)
+    return values
+
+
+@triton.jit
+def _store_row(ptr, cols, values, start, end, lo, hi, EVICTION: tl.constexpr, WINDOW: tl.constexpr,
+               VEC: tl.constexpr):
+    """Store values (computed at columns `cols` of [start, end)) where they belong to the row.
+    WINDOW: only the row's whole 16-byte vectors, so that the store stays vectorized; the partial
+    vectors at its two ends are the caller's (_store_row_ends)."""
+    if WINDOW:
+        mask = (cols >= (lo + VEC - 1) // VEC * VEC) & (cols < hi // VEC * VEC) & (cols < end)
+    else:
+        mask = cols < end
+    tl.store(ptr + cols, values.to(ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _row_end_cols(start, end, lo, hi, VEC: tl.constexpr):
+    """(cols, mask) of the columns of [start, end) in the row's partial first and last 16-byte
+    vectors, which _store_row leaves out: at most 2 (VEC - 1) of them, handled one by one."""
+    lo_up = (lo + VEC - 1) // VEC * VEC
+    hi_down = hi // VEC * VEC
+    e = tl.arange(0, 2 * VEC)
+    cols = tl.where(e < VEC, lo_up - VEC + e, hi_down - VEC + e)
+    mask = (cols >= lo) & (cols < hi) & ((cols < lo_up) | (cols >= hi_down)) & (cols >= start) & (cols < end)
+    return cols, mask
+
+
 # (The EVICTION arguments have no default: Triton 3.6 passes a jit helper's default values
 # as they are, and a str default is then taken for a tensor argument and fails to compile,
 # which the interpreter does not show.)
 @triton.jit
-def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr):
-    """Online (max, sum(exp(x - max))) of row_ptr[start:end], each returned with shape [1].
+def _chunk_max_sumexp(row_ptr, start, end, lo, hi, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr,
+                      WINDOW: tl.constexpr):
+    """Online (max, sum(exp(x - max))) of the row's columns in row_ptr[start:end], each returned
+    with shape [1]. lo, hi, WINDOW: as _row_window gives them.
     EVICTION: the loads' L2 eviction policy ("evict_last": the row is read again soon)."""
     m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        x = _in_row(x, cols, lo, hi, float("-inf"), WINDOW)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = _safe_shift(m_new)
         # rescale the sum so far to the new max, then add this chunk
@@ -61,10 +122,21 @@ def _chunk_max_sumexp(row_ptr, start, end, BLOCK_N: tl.constexpr, EVICTION: tl.c
 
 
 @triton.jit
+def _normalized(x, shift, s, inv_s, log_s, LOG: tl.constexpr):
+    """softmax (or log-softmax) of x given the row's shift (max), sum and its 1 / s and log(s)."""
+    if LOG:
+        return tl.where(s == 0, float("-inf"), x - shift - log_s)
+    else:
+        return tl.exp(x - shift) * inv_s
+
+
+@triton.jit
 def _write_normalized(
-    x_row_ptr, y_row_ptr, start, end, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr, EVICTION: tl.constexpr
+    x_row_ptr, y_row_ptr, start, end, lo, hi, m, s, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVICTION: tl.constexpr, WINDOW: tl.constexpr, VEC: tl.constexpr,
 ):
     """y[start:end] = softmax (or log-softmax) of x[start:end] given the row's max and sum.
+    lo, hi, WINDOW: as _row_window gives them (x and y rows read from equally aligned windows).
     EVICTION: the L2 eviction policy of its loads and stores ("evict_first": last use)."""
     shift = _safe_shift(m)
     # Only a row with no finite entry (all -inf: s == 0) is special-cased, to 0 (log: -inf). A NaN
@@ -74,13 +146,14 @@ def _write_normalized(
     log_s = tl.log(s)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < end
-        x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
-        if LOG:
-            y = tl.where(s == 0, float("-inf"), x - shift - log_s)
-        else:
-            y = tl.exp(x - shift) * inv_s
-        tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+        x = tl.load(x_row_ptr + cols, mask=cols < end, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        _store_row(y_row_ptr, cols, _normalized(x, shift, s, inv_s, log_s, LOG), start, end, lo, hi, EVICTION,
+                   WINDOW, VEC)
+    if WINDOW:
+        cols, mask = _row_end_cols(start, end, lo, hi, VEC)
+        x = tl.load(x_row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        y = _normalized(x, shift, s, inv_s, log_s, LOG)
+        tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -137,17 +210,21 @@ def _softmax_fwd_coop_kernel(
     BLOCK_N: tl.constexpr,  # columns per step of its two passes over them
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # rows read through 16-byte aligned windows (_row_window): chunks cut the window
+    VEC: tl.constexpr,  # elements of a 16-byte vector
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     row, split = coop_ticket(sync_ptr, n_splits)
+    x_first, lo, hi, row_end = _row_window(row * stride_x_row, n_cols, WINDOW, VEC)
+    y_first, _, _, _ = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_cols)
-    x_row_ptr = x_ptr + row * stride_x_row
+    end = tl.minimum(start + CHUNK, row_end)
+    x_row_ptr = x_ptr + x_first
     # The chunk is read twice: the wait between the passes is what the chunk's lines spend in L2
     # (evict_last), and the second pass is their last use (evict_first).
-    m, s = _chunk_max_sumexp(x_row_ptr, start, end, BLOCK_N, EVICTION="evict_last")
+    m, s = _chunk_max_sumexp(x_row_ptr, start, end, lo, hi, BLOCK_N, EVICTION="evict_last", WINDOW=WINDOW)
     # word = (sum bits) << 32 | (max bits), never 0: the sum is >= 1 where the max is finite, and
     # a max of -inf has bits
     words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, tl.max(m, axis=0),
@@ -155,8 +232,8 @@ def _softmax_fwd_coop_kernel(
     chunks = tl.arange(0, SPLITS_POW2) < n_splits
     shift, total = _merge_chunk_stats(tl.where(chunks, coop_word_lo(words), float("-inf")),
                                       tl.where(chunks, coop_word_hi(words), 0.0))
-    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, start, end, shift, total, LOG, BLOCK_N,
-                      EVICTION="evict_first")
+    _write_normalized(x_row_ptr, y_ptr + y_first, start, end, lo, hi, shift, total, LOG, BLOCK_N,
+                      EVICTION="evict_first", WINDOW=WINDOW, VEC=VEC)
 
 
 @triton.jit
@@ -167,15 +244,20 @@ def _softmax_fwd_looped_kernel(
     KEEP_IN_L2: tl.constexpr,  # rows short enough for L2 (ops.L2_LOOP_ROW_BYTES): the second pass reads it
     BLOCK_N: tl.constexpr,  # columns per loop step
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    x_row_ptr = x_ptr + row * stride_x_row
-    m, s = _chunk_max_sumexp(x_row_ptr, 0, n_cols, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "")
-    _write_normalized(x_row_ptr, y_ptr + row * stride_y_row, 0, n_cols, m, s, LOG, BLOCK_N,
-                      EVICTION="evict_first" if KEEP_IN_L2 else "")
+    x_first, lo, hi, end = _row_window(row * stride_x_row, n_cols, WINDOW, VEC)
+    y_first, _, _, _ = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
+    x_row_ptr = x_ptr + x_first
+    m, s = _chunk_max_sumexp(x_row_ptr, 0, end, lo, hi, BLOCK_N, EVICTION="evict_last" if KEEP_IN_L2 else "",
+                             WINDOW=WINDOW)
+    _write_normalized(x_row_ptr, y_ptr + y_first, 0, end, lo, hi, m, s, LOG, BLOCK_N,
+                      EVICTION="evict_first" if KEEP_IN_L2 else "", WINDOW=WINDOW, VEC=VEC)
 
 
 @triton.jit
@@ -185,15 +267,18 @@ def _softmax_fwd_partial_kernel(
     n_splits,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    x_first, lo, hi, row_end = _row_window(row * stride_x_row, n_cols, WINDOW, VEC)
     start = split * chunk
-    end = tl.minimum(start + chunk, n_cols)
-    m, s = _chunk_max_sumexp(x_ptr + row * stride_x_row, start, end, BLOCK_N, EVICTION="")
+    end = tl.minimum(start + chunk, row_end)
+    m, s = _chunk_max_sumexp(x_ptr + x_first, start, end, lo, hi, BLOCK_N, EVICTION="", WINDOW=WINDOW)
     out = row * n_splits + split + tl.arange(0, 1)
     tl.store(max_ptr + out, m)
     tl.store(sum_ptr + out, s)
@@ -208,6 +293,8 @@ def _softmax_fwd_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS_POW2: tl.constexpr,  # next power of two >= n_splits
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
@@ -216,10 +303,12 @@ def _softmax_fwd_split_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     shift, s = _merge_row_stats(max_ptr, sum_ptr, row, n_splits, SPLITS_POW2)
+    x_first, lo, hi, row_end = _row_window(row * stride_x_row, n_cols, WINDOW, VEC)
+    y_first, _, _, _ = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
     start = split * chunk
-    end = tl.minimum(start + chunk, n_cols)
-    _write_normalized(x_ptr + row * stride_x_row, y_ptr + row * stride_y_row, start, end, shift, s, LOG, BLOCK_N,
-                      EVICTION="")
+    end = tl.minimum(start + chunk, row_end)
+    _write_normalized(x_ptr + x_first, y_ptr + y_first, start, end, lo, hi, shift, s, LOG, BLOCK_N,
+                      EVICTION="", WINDOW=WINDOW, VEC=VEC)
 
 
 # Backward. softmax: dx = y * (dy - sum(y * dy)); log-softmax: dx = dy - exp(y) * sum(dy).
@@ -227,19 +316,21 @@ def _softmax_fwd_split_kernel(
 
 
 @triton.jit
-def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
-                    EVICTION: tl.constexpr):
-    """sum(dy) (log-softmax) or sum(y * dy) (softmax) over [start, end), shape [1].
-    EVICTION: the loads' L2 eviction policy, as in _chunk_max_sumexp."""
+def _chunk_grad_dot(y_row_ptr, dy_row_ptr, start, end, lo, hi, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVICTION: tl.constexpr, WINDOW: tl.constexpr):
+    """sum(dy) (log-softmax) or sum(y * dy) (softmax) over the row's columns in [start, end),
+    shape [1]. lo, hi, WINDOW: as _row_window gives them. EVICTION: as in _chunk_max_sumexp."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+        dy = _in_row(dy, cols, lo, hi, 0.0, WINDOW)
         if LOG:
             acc += dy
         else:
-            acc += dy * tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+            y = tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+            acc += dy * _in_row(y, cols, lo, hi, 0.0, WINDOW)
     return tl.sum(acc, axis=0) + tl.zeros([1], tl.float32)
 
 
@@ -252,16 +343,29 @@ def _grad_from_dot(y, dy, dot, LOG: tl.constexpr):
 
 
 @triton.jit
-def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, dot, LOG: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVICTION: tl.constexpr):
-    """dx[start:end] from y, dy and the row's reduction `dot`. EVICTION: as in _write_normalized."""
+def _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, lo, hi, dot, LOG: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVICTION: tl.constexpr, WINDOW: tl.constexpr, VEC: tl.constexpr):
+    """dx[start:end] from y, dy and the row's reduction `dot`. lo, hi, WINDOW: as _row_window
+    gives them (the three rows read from equally aligned windows). EVICTION: as in
+    _write_normalized."""
     for off in range(start, end, BLOCK_N):
         cols = off + tl.arange(0, BLOCK_N)
         mask = cols < end
         y = tl.load(y_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
         dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-        dx = _grad_from_dot(y, dy, dot, LOG)
-        tl.store(dx_row_ptr + cols, dx.to(dx_row_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+        _store_row(dx_row_ptr, cols, _grad_from_dot(y, dy, dot, LOG), start, end, lo, hi, EVICTION, WINDOW, VEC)
+    if WINDOW:
+        _write_grad_row_ends(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, lo, hi, dot, LOG, VEC)
+
+
+@triton.jit
+def _write_grad_row_ends(y_row_ptr, dy_row_ptr, dx_row_ptr, start, end, lo, hi, dot, LOG: tl.constexpr,
+                         VEC: tl.constexpr):
+    """dx at the row's partial end vectors within [start, end) (see _row_end_cols)."""
+    cols, mask = _row_end_cols(start, end, lo, hi, VEC)
+    y = tl.load(y_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_row_ptr + cols, _grad_from_dot(y, dy, dot, LOG).to(dx_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -353,16 +457,21 @@ def _softmax_bwd_coop_kernel(
     CHUNK: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the forward's cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     stride_dy_row = multiple_of(stride_dy_row, ALIGN)
     stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     row, split = coop_ticket(sync_ptr, n_splits)
+    y_first, lo, hi, end = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
+    dy_first, _, _, _ = _row_window(row * stride_dy_row, n_cols, WINDOW, VEC)
+    dx_first, _, _, _ = _row_window(row * stride_dx_row, n_cols, WINDOW, VEC)
     cols = split * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
-    y = tl.load(y_ptr + row * stride_y_row + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = cols < end
+    y = _in_row(tl.load(y_ptr + y_first + cols, mask=mask, other=0.0).to(tl.float32), cols, lo, hi, 0.0, WINDOW)
+    dy = _in_row(tl.load(dy_ptr + dy_first + cols, mask=mask, other=0.0).to(tl.float32), cols, lo, hi, 0.0, WINDOW)
     if LOG:
         part = tl.sum(dy, axis=0)
     else:
@@ -370,8 +479,11 @@ def _softmax_bwd_coop_kernel(
     words = coop_publish_and_gather(sync_ptr, n_rows, row, split, n_splits, part,
                                     tl.full([], 1.0, tl.float32), SPLITS_POW2)
     dot = tl.sum(tl.where(tl.arange(0, SPLITS_POW2) < n_splits, coop_word_lo(words), 0.0), axis=0)
-    dx = _grad_from_dot(y, dy, dot, LOG)
-    tl.store(dx_ptr + row * stride_dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    chunk_start = split * CHUNK
+    _store_row(dx_ptr + dx_first, cols, _grad_from_dot(y, dy, dot, LOG), chunk_start, end, lo, hi, "", WINDOW, VEC)
+    if WINDOW:
+        _write_grad_row_ends(y_ptr + y_first, dy_ptr + dy_first, dx_ptr + dx_first, chunk_start,
+                             tl.minimum(chunk_start + CHUNK, end), lo, hi, dot, LOG, VEC)
 
 
 @triton.jit
@@ -382,26 +494,31 @@ def _softmax_bwd_looped_kernel(
     KEEP_IN_L2: tl.constexpr,  # as in the forward's looped kernel (rows of ops.BWD_L2_LOOP_ROW_BYTES)
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
-    PREFETCH: tl.constexpr,  # the _prefetched_* loops (ops.BWD_L2_LOOP_LONG)
+    PREFETCH: tl.constexpr,  # the _prefetched_* loops (ops.BWD_L2_LOOP_LONG; never with WINDOW)
+    WINDOW: tl.constexpr,  # as in the forward's cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     stride_dy_row = multiple_of(stride_dy_row, ALIGN)
     stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    y_row_ptr = y_ptr + row * stride_y_row
-    dy_row_ptr = dy_ptr + row * stride_dy_row
-    dx_row_ptr = dx_ptr + row * stride_dx_row
+    y_first, lo, hi, end = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
+    dy_first, _, _, _ = _row_window(row * stride_dy_row, n_cols, WINDOW, VEC)
+    dx_first, _, _, _ = _row_window(row * stride_dx_row, n_cols, WINDOW, VEC)
+    y_row_ptr = y_ptr + y_first
+    dy_row_ptr = dy_ptr + dy_first
+    dx_row_ptr = dx_ptr + dx_first
     if PREFETCH:
         dot = _prefetched_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N,
                                    EVICTION="evict_last" if KEEP_IN_L2 else "")
         _prefetched_write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, 0, n_cols, dot, LOG, BLOCK_N,
                                EVICTION="evict_first" if KEEP_IN_L2 else "")
     else:
-        dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, n_cols, LOG, BLOCK_N,
-                              EVICTION="evict_last" if KEEP_IN_L2 else "")
-        _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, 0, n_cols, dot, LOG, BLOCK_N,
-                    EVICTION="evict_first" if KEEP_IN_L2 else "")
+        dot = _chunk_grad_dot(y_row_ptr, dy_row_ptr, 0, end, lo, hi, LOG, BLOCK_N,
+                              EVICTION="evict_last" if KEEP_IN_L2 else "", WINDOW=WINDOW)
+        _write_grad(y_row_ptr, dy_row_ptr, dx_row_ptr, 0, end, lo, hi, dot, LOG, BLOCK_N,
+                    EVICTION="evict_first" if KEEP_IN_L2 else "", WINDOW=WINDOW, VEC=VEC)
 
 
 @triton.jit
@@ -412,6 +529,8 @@ def _softmax_bwd_partial_kernel(
     LOG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the forward's cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
@@ -419,10 +538,12 @@ def _softmax_bwd_partial_kernel(
     chunk = multiple_of(chunk, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    y_first, lo, hi, row_end = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
+    dy_first, _, _, _ = _row_window(row * stride_dy_row, n_cols, WINDOW, VEC)
     start = split * chunk
-    end = tl.minimum(start + chunk, n_cols)
-    dot = _chunk_grad_dot(y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, start, end, LOG, BLOCK_N,
-                          EVICTION="")
+    end = tl.minimum(start + chunk, row_end)
+    dot = _chunk_grad_dot(y_ptr + y_first, dy_ptr + dy_first, start, end, lo, hi, LOG, BLOCK_N, EVICTION="",
+                          WINDOW=WINDOW)
     tl.store(dot_ptr + row * n_splits + split + tl.arange(0, 1), dot)
 
 
@@ -435,6 +556,8 @@ def _softmax_bwd_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the rows kernel
+    WINDOW: tl.constexpr,  # as in the forward's cooperative kernel
+    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
@@ -445,9 +568,10 @@ def _softmax_bwd_split_kernel(
     split = tl.program_id(1)
     idx = tl.arange(0, SPLITS_POW2)
     dot = tl.sum(tl.load(dot_ptr + row * n_splits + idx, mask=idx < n_splits, other=0.0), axis=0)
+    y_first, lo, hi, row_end = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
+    dy_first, _, _, _ = _row_window(row * stride_dy_row, n_cols, WINDOW, VEC)
+    dx_first, _, _, _ = _row_window(row * stride_dx_row, n_cols, WINDOW, VEC)
     start = split * chunk
-    end = tl.minimum(start + chunk, n_cols)
-    _write_grad(
-        y_ptr + row * stride_y_row, dy_ptr + row * stride_dy_row, dx_ptr + row * stride_dx_row,
-        start, end, dot, LOG, BLOCK_N, EVICTION="",
-    )
+    end = tl.minimum(start + chunk, row_end)
+    _write_grad(y_ptr + y_first, dy_ptr + dy_first, dx_ptr + dx_first, start, end, lo, hi, dot, LOG, BLOCK_N,
+                EVICTION="", WINDOW=WINDOW, VEC=VEC)

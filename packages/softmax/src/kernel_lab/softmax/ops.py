@@ -288,6 +288,19 @@ def _odd_rows(*ints: int) -> bool:
     return bool(bits & 1)
 
 
+def _windowed(vec: int, *tensors: torch.Tensor) -> bool:
+    """Whether odd rows (_odd_rows) of these (rows, cols) tensors can be read through 16-byte
+    aligned windows (the kernels' _row_window): each tensor 16-byte aligned, with row strides
+    equal modulo a vector of `vec` elements, so that a row starts at the same place within a
+    vector in all of them. Only the long-row kernels take windows; false while tracing
+    (torch.compile), where addresses are unknown."""
+    first = tensors[0].stride(0) % vec
+    for t in tensors:
+        if type(t.stride(0)) is not int or t.stride(0) % vec != first or t.data_ptr() % 16:
+            return False
+    return True
+
+
 def _fwd_l2_loop(n_cols: int, element_size: int, odd: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, num_warps) of the forward's L2-looped kernel for rows of this length, None where
     a row does not fit L2_LOOP_ROW_BYTES; odd: rows read element by element (ODD_L2_LOOP)."""
@@ -310,6 +323,20 @@ def _bwd_l2_loop(n_cols: int, bytes_per_col: int) -> tuple[int, int] | None:
 def _bwd_prefetch(plan: _Plan, n_cols: int) -> bool:
     """Whether the backward's looped launch prefetches (BWD_L2_LOOP_LONG's rows)."""
     return plan.keep_in_l2 and n_cols > WIDE_ROWS_MAX_COLS
+
+
+def _window_splits(plan: _Plan, window: bool, n_cols: int, vec: int, device: torch.device) -> tuple[bool, int]:
+    """(window, n_splits) of a launch with this plan: windows (_windowed) on the long-row kernels
+    only, whose chunks then cut a window up to vec - 1 columns longer than the row (at most one
+    more chunk); none where that chunk would take a cooperative row past coop.max_chunks."""
+    if not window or plan.kind == "rows":
+        return False, plan.n_splits
+    if plan.kind == "looped":
+        return True, 1
+    n_splits = runtime.cdiv(n_cols + vec - 1, plan.chunk)
+    if plan.kind == "coop" and n_splits > coop.max_chunks(device):
+        return False, plan.n_splits
+    return True, n_splits
 
 
 def _make_plan(
@@ -386,12 +413,17 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     y2 = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if y2.numel() == 0:
         return _from_rows(y2, x, dim)
-    if _odd_rows(n_cols, x2.stride(0)):
+    vec = 16 // x2.element_size()
+    odd = _odd_rows(n_cols, x2.stride(0))
+    window = odd and not traceable and _windowed(vec, x2, y2)
+    if odd and not window:
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, ODD_COOP_CHUNK,
                      ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N)
-    else:
+    else:  # (odd rows read through windows keep the rows kernel to the fused limit, as ODD_* plans do)
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
-                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N, FWD_WIDE_ROWS_NUM_WARPS)
+                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N,
+                     0 if odd else FWD_WIDE_ROWS_NUM_WARPS)
+    window, n_splits = _window_splits(plan, window, n_cols, vec, x.device)
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
     # calls, lent H100 hosts (scratch timing): 10.8-17.7 us direct against 7.0-7.1 planned on one
@@ -408,29 +440,31 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        work = coop.workspace(n_rows, plan.n_splits, x.device)
-        runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * plan.n_splits,)](
-            x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), plan.n_splits,
+        work = coop.workspace(n_rows, n_splits, x.device)
+        runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * n_splits,)](
+            x2, y2, work, n_rows, n_cols, x2.stride(0), y2.stride(0), n_splits,
             LOG=log, CHUNK=plan.chunk, BLOCK_N=min(plan.block_n, plan.chunk),
-            SPLITS_POW2=runtime.next_power_of_2(plan.n_splits), ALIGN=align, num_warps=plan.num_warps,
+            SPLITS_POW2=runtime.next_power_of_2(n_splits), ALIGN=align, WINDOW=window, VEC=vec,
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "looped":
         runtime.launchable(_softmax_fwd_looped_kernel, traceable, key)[(n_rows,)](
             x2, y2, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec,
+            num_warps=plan.num_warps,
         )
     else:
-        part_max = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=x.device)
+        part_max = torch.empty((n_rows, n_splits), dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
-        grid = (n_rows, plan.n_splits)
+        grid = (n_rows, n_splits)
         runtime.launchable(_softmax_fwd_partial_kernel, traceable, key)[grid](
-            x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, plan.n_splits,
-            BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            x2, part_max, part_sum, n_cols, x2.stride(0), plan.chunk, n_splits,
+            BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
         )
         runtime.launchable(_softmax_fwd_split_kernel, traceable, key)[grid](
-            x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            ALIGN=align, num_warps=plan.num_warps,
+            x2, y2, part_max, part_sum, n_cols, x2.stride(0), y2.stride(0), plan.chunk, n_splits,
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(n_splits),
+            ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
         )
     return _from_rows(y2, x, dim)
 
@@ -445,7 +479,10 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     dx2 = torch.empty_like(dy2, memory_format=torch.contiguous_format)
     if dx2.numel() == 0:
         return _from_rows(dx2, dy, dim)
+    vec = 16 // dy2.element_size()
     odd = _odd_rows(n_cols, y2.stride(0), dy2.stride(0))
+    window = (odd and not traceable and y2.element_size() == dy2.element_size()
+              and _windowed(vec, y2, dy2, dx2))
     coop_chunk, coop_num_warps = (
         (BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS) if odd
         else (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log
@@ -456,6 +493,57 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, rows_tile, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
                  coop_num_warps, l2_loop, 0, 0 if odd else BWD_WIDE_ROWS_NUM_WARPS,
                  max(y2.element_size(), dy2.element_size()) <= 2)
+    window, n_splits = _window_splits(plan, window, n_cols, vec, y.device)
+    key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
+    align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
+                             plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
+    if plan.kind == "rows":
+        runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
+            y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "coop":
+        work = coop.workspace(n_rows, n_splits, y.device)
+        runtime.launchable(_softmax_bwd_coop_kernel, traceable, key)[(n_rows * n_splits,)](
+            y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), n_splits,
+            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits),
+            ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
+        )
+    elif plan.kind == "looped":
+        runtime.launchable(_softmax_bwd_looped_kernel, traceable, key)[(n_rows,)](
+            y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align,
+            PREFETCH=_bwd_prefetch(plan, n_cols), WINDOW=window, VEC=vec, num_warps=plan.num_warps,
+        )
+    else:
+        part_dot = torch.empty((n_rows, n_splits), dtype=torch.float32, device=y.device)
+        grid = (n_rows, n_splits)
+        runtime.launchable(_softmax_bwd_partial_kernel, traceable, key)[grid](
+            y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, n_splits,
+            LOG=log, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
+        )
+        runtime.launchable(_softmax_bwd_split_kernel, traceable, key)[grid](
+            y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
+            plan.chunk, n_splits,
+            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(n_splits),
+            ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
+        )
+    return _from_rows(dx2, dy, dim)
+    vec = 16 // dy2.element_size()
+    odd = _odd_rows(n_cols, y2.stride(0), dy2.stride(0))
+    window = (odd and not traceable and y2.element_size() == dy2.element_size()
+              and _windowed(vec, y2, dy2, dx2))
+    coop_chunk, coop_num_warps = (
+        (BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS) if odd
+        else (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log
+        else (BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
+    )
+    l2_loop = None if odd else _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
+    rows_tile = BWD_LARGE_ROWS_TILE if n_rows * n_cols >= BWD_LARGE_TILE_MIN_ELEMENTS else BWD_ROWS_TILE
+    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, rows_tile, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
+                 coop_num_warps, l2_loop, 0, 0 if odd else BWD_WIDE_ROWS_NUM_WARPS,
+                 max(y2.element_size(), dy2.element_size()) <= 2)
+    window, n_splits = _window_splits(plan, window, n_cols, vec, y.device)
     key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
     align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
                              plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
