@@ -150,20 +150,29 @@ BWD_COOP_NUM_WARPS = 8
 LOG_BWD_COOP_CHUNK = 4096
 LOG_BWD_COOP_NUM_WARPS = 4
 # Rows with an odd length or stride (GPT-2's 50257-token vocabulary) have no two neighbours that
-# can be proven to share a 16-byte vector (kernel_lab.shared.vector_hints), so every access is of
-# one element, and the long-row kernels want smaller steps than above. H200, bf16, the kernels
-# alternated over five rounds (scratch, 2026-11-27), in us: forward 4096 x 50257: cooperative with
-# 8192-column chunks in 1024-column steps over 4 warps 416, (16384, 8192, 4) as above 959,
-# torch.softmax 360; 1024 x 131071: 265 against 512 (torch 311); 8192 x 20001 (many rows of at
-# most 64 KB): the L2-looped kernel in 4096-column steps over 4 warps 246, in 16384-column steps
-# over 8 (as above) slower than any cooperative tile (331 at the best). Backward 4096 x 50257:
-# cooperative 4096-column chunks over 4 warps 466, (8192, 8) as above 517, the L2-looped kernel
-# 602 (its tile above), torch.compile 621; 1024 x 131071: 297 against 326 (torch.compile 477);
-# 8192 x 20001: the L2-looped kernel 328 at its best, cooperative (4096, 4) 344: the backward's
-# odd rows are always cooperative. (Reading each row from a 16-byte aligned address below its
-# start, and writing its unaligned ends apart, would give them vectors too: not done.)
+# can be proven to share a 16-byte vector (kernel_lab.shared.vector_hints). Until 0.2.15 every
+# access was then of one element; since, the long-row kernels read such rows through 16-byte
+# aligned windows (_windowed; the kernels' _row_window), whole vectors but for each row's two
+# partial end vectors, where the tensors allow it (16-byte aligned, row strides equal modulo a
+# vector: contiguous inputs). The tiles stay their own. Element by element, H200, bf16, the
+# kernels alternated over five rounds (scratch, 2026-11-27), in us: forward 4096 x 50257:
+# cooperative with 8192-column chunks in 1024-column steps over 4 warps 416, (16384, 8192, 4) as
+# above 959, torch.softmax 360; 1024 x 131071: 265 against 512 (torch 311); 8192 x 20001 (many
+# rows of at most 64 KB): the L2-looped kernel in 4096-column steps over 4 warps 246, in
+# 16384-column steps over 8 (as above) slower than any cooperative tile (331 at the best).
+# Backward 4096 x 50257: cooperative 4096-column chunks over 4 warps 466, (8192, 8) as above 517,
+# the L2-looped kernel 602 (its tile above), torch.compile 621; 1024 x 131071: 297 against 326
+# (torch.compile 477); 8192 x 20001: the L2-looped kernel 328 at its best, cooperative (4096, 4)
+# 344: the backward's odd rows are always cooperative.
+# Through windows, H100, bf16, same method (scratch, 2026-11-27, two runs), us, element by
+# element -> windows at the tiles below: forward 4096 x 50257 429 -> 348 (torch.softmax 393; the
+# even 4096 x 50264 takes 295), 1024 x 131071 286 -> 227, 8192 x 20001 342 -> 263; backward
+# 565 -> 481, 359 -> 292, 414 -> 344 (torch 951, 651, 737); fp16 alike. Other tiles through
+# windows, forward: 1024-column steps (the earlier tile) 372 / 249, (16384, 1024) 425 / 292,
+# (16384, 2048) 371 / 252, 8 warps 533 / 338, the even rows' (16384, 8192, 4) 440 / 292;
+# backward (8192, 4) 481 / 300, (4096, 2 warps) 493 / 300.
 ODD_COOP_CHUNK = 8192
-ODD_COOP_BLOCK_N = 1024
+ODD_COOP_BLOCK_N = 2048
 ODD_COOP_NUM_WARPS = 4
 ODD_L2_LOOP = (4096, 4)  # (BLOCK_N, num_warps) of the forward's L2-looped kernel
 BWD_ODD_COOP_CHUNK = 4096
@@ -416,13 +425,12 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     vec = 16 // x2.element_size()
     odd = _odd_rows(n_cols, x2.stride(0))
     window = odd and not traceable and _windowed(vec, x2, y2)
-    if odd and not window:
+    if odd:
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, ODD_COOP_CHUNK,
                      ODD_COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size(), odd=True), ODD_COOP_BLOCK_N)
-    else:  # (odd rows read through windows keep the rows kernel to the fused limit, as ODD_* plans do)
+    else:
         plan = _plan(n_rows, n_cols, FWD_MAX_FUSED_COLS, FWD_ROWS_TILE, x.device, LOOP_BLOCK_N, COOP_CHUNK,
-                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N,
-                     0 if odd else FWD_WIDE_ROWS_NUM_WARPS)
+                     COOP_NUM_WARPS, _fwd_l2_loop(n_cols, x.element_size()), COOP_BLOCK_N, FWD_WIDE_ROWS_NUM_WARPS)
     window, n_splits = _window_splits(plan, window, n_cols, vec, x.device)
     # A planned launch (runtime.DirectLauncher.planned) skips Triton's argument binder and its
     # cache key: host time of one launch of the rows kernel on an 8 x 128 float32 input, 2000
