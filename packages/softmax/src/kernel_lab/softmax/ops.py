@@ -335,11 +335,14 @@ def _bwd_prefetch(plan: _Plan, n_cols: int) -> bool:
 
 
 def _window_splits(plan: _Plan, window: bool, n_cols: int, vec: int, device: torch.device) -> tuple[bool, int]:
-    """(window, n_splits) of a launch with this plan: windows (_windowed) on the long-row kernels
-    only, whose chunks then cut a window up to vec - 1 columns longer than the row (at most one
-    more chunk); none where that chunk would take a cooperative row past coop.max_chunks."""
-    if not window or plan.kind == "rows":
+    """(window, n_splits) of a launch with this plan (_windowed): the chunks of the long-row
+    kernels cut a window up to vec - 1 columns longer than the row (at most one more chunk); no
+    window where that chunk would take a cooperative row past coop.max_chunks, nor on the rows
+    kernels where the window would not fit the row's power-of-two block."""
+    if not window:
         return False, plan.n_splits
+    if plan.kind == "rows":  # (its block must hold the window, up to vec - 1 columns longer)
+        return runtime.next_power_of_2(n_cols + vec - 1) <= plan.block_n, plan.n_splits
     if plan.kind == "looped":
         return True, 1
     n_splits = runtime.cdiv(n_cols + vec - 1, plan.chunk)
@@ -445,7 +448,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec,
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, n_splits, x.device)
@@ -508,7 +512,8 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec,
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, n_splits, y.device)
@@ -535,56 +540,6 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
             plan.chunk, n_splits,
             LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(n_splits),
             ALIGN=align, WINDOW=window, VEC=vec, num_warps=plan.num_warps,
-        )
-    return _from_rows(dx2, dy, dim)
-    vec = 16 // dy2.element_size()
-    odd = _odd_rows(n_cols, y2.stride(0), dy2.stride(0))
-    window = (odd and not traceable and y2.element_size() == dy2.element_size()
-              and _windowed(vec, y2, dy2, dx2))
-    coop_chunk, coop_num_warps = (
-        (BWD_ODD_COOP_CHUNK, BWD_ODD_COOP_NUM_WARPS) if odd
-        else (LOG_BWD_COOP_CHUNK, LOG_BWD_COOP_NUM_WARPS) if log
-        else (BWD_COOP_CHUNK, BWD_COOP_NUM_WARPS)
-    )
-    l2_loop = None if odd else _bwd_l2_loop(n_cols, y2.element_size() + dy2.element_size())
-    rows_tile = BWD_LARGE_ROWS_TILE if n_rows * n_cols >= BWD_LARGE_TILE_MIN_ELEMENTS else BWD_ROWS_TILE
-    plan = _plan(n_rows, n_cols, BWD_MAX_FUSED_COLS, rows_tile, y.device, BWD_LOOP_BLOCK_N, coop_chunk,
-                 coop_num_warps, l2_loop, 0, 0 if odd else BWD_WIDE_ROWS_NUM_WARPS,
-                 max(y2.element_size(), dy2.element_size()) <= 2)
-    window, n_splits = _window_splits(plan, window, n_cols, vec, y.device)
-    key = None if traceable else ("bwd", log, y2.shape, plan_arg_key(y2), plan_arg_key(dy2), y.device)
-    align = vector_alignment(min(y2.element_size(), dy2.element_size()), n_cols, y2.stride(0), dy2.stride(0),
-                             plan.chunk)  # as in softmax_fwd (dx2's stride is n_cols)
-    if plan.kind == "rows":
-        runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
-            y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
-        )
-    elif plan.kind == "coop":
-        work = coop.workspace(n_rows, plan.n_splits, y.device)
-        runtime.launchable(_softmax_bwd_coop_kernel, traceable, key)[(n_rows * plan.n_splits,)](
-            y2, dy2, dx2, work, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), plan.n_splits,
-            LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            ALIGN=align, num_warps=plan.num_warps,
-        )
-    elif plan.kind == "looped":
-        runtime.launchable(_softmax_bwd_looped_kernel, traceable, key)[(n_rows,)](
-            y2, dy2, dx2, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, KEEP_IN_L2=plan.keep_in_l2, BLOCK_N=plan.block_n, ALIGN=align,
-            PREFETCH=_bwd_prefetch(plan, n_cols), num_warps=plan.num_warps,
-        )
-    else:
-        part_dot = torch.empty((n_rows, plan.n_splits), dtype=torch.float32, device=y.device)
-        grid = (n_rows, plan.n_splits)
-        runtime.launchable(_softmax_bwd_partial_kernel, traceable, key)[grid](
-            y2, dy2, part_dot, n_cols, y2.stride(0), dy2.stride(0), plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
-        )
-        runtime.launchable(_softmax_bwd_split_kernel, traceable, key)[grid](
-            y2, dy2, dx2, part_dot, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            plan.chunk, plan.n_splits,
-            LOG=log, BLOCK_N=plan.block_n, SPLITS_POW2=runtime.next_power_of_2(plan.n_splits),
-            ALIGN=align, num_warps=plan.num_warps,
         )
     return _from_rows(dx2, dy, dim)
 
