@@ -106,16 +106,14 @@ def test_rows_kernels_load_16_bytes_at_a_time_where_the_hint_allows(direction):
     pointers = {a: "*bf16" for a in fn.arg_names if a.endswith("_ptr")}
     vector_loads = {}
     for align in (8, 1):
-        constexprs = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, ALIGN=align, WINDOW=False, VEC=8)
+        constexprs = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, ALIGN=align)
         ptx = testing.compile_for_sm90(fn, pointers, constexprs, num_warps=4, num_stages=3,
                                        aligned=tuple(pointers)).asm["ptx"]
         vector_loads[align] = len(re.findall(r"\bld\.global[\w:.]*\.v4\.b32", ptx))
     assert vector_loads[8] > 0 and vector_loads[1] == 0, vector_loads
 
 
-WINDOW_KERNELS = {  # at the tiles of odd rows (ops.py) where those differ
-    "_softmax_fwd_rows_kernel": dict(LOG=False, BLOCK_M=2, BLOCK_N=1024),
-    "_softmax_bwd_rows_kernel": dict(LOG=True, BLOCK_M=2, BLOCK_N=1024),
+WINDOW_KERNELS = {  # the long-row kernels, at the tiles of odd rows (ops.py) where those differ
     "_softmax_fwd_coop_kernel": dict(LOG=False, CHUNK=16384, BLOCK_N=8192, SPLITS_POW2=8),
     "_softmax_fwd_looped_kernel": dict(LOG=False, BLOCK_N=16384, KEEP_IN_L2=True),
     "_softmax_bwd_coop_kernel": dict(LOG=False, CHUNK=4096, SPLITS_POW2=16),
@@ -125,9 +123,8 @@ WINDOW_KERNELS = {  # at the tiles of odd rows (ops.py) where those differ
 
 @pytest.mark.parametrize("name", list(WINDOW_KERNELS))
 def test_odd_rows_read_through_windows_move_16_bytes_at_a_time(name):
-    """bf16 rows of odd length (GPT-2's 50257 tokens, attention rows over 1001 keys): no two
-    neighbours can be proven to share a 16-byte vector, so without windows every load and store
-    is of one element (ALIGN=1); read
+    """bf16 rows of odd length (GPT-2's 50257 tokens): no two neighbours can be proven to share a
+    16-byte vector, so without windows every load and store is of one element (ALIGN=1); read
     through 16-byte aligned windows (WINDOW, the kernels' _row_window) the loads are whole vectors
     and so are the stores but for the row's two partial end vectors."""
     from kernel_lab.softmax import _kernels

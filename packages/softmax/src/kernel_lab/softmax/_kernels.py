@@ -162,41 +162,25 @@ def _softmax_fwd_rows_kernel(
     stride_x_row, stride_y_row,
     LOG: tl.constexpr,  # log-softmax instead of softmax
     BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_N: tl.constexpr,  # next power of two >= n_cols (with WINDOW, >= n_cols + VEC - 1): the whole row at once
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row at once
     ALIGN: tl.constexpr,  # divides n_cols and the row strides (kernel_lab.shared.vector_hints)
-    WINDOW: tl.constexpr,  # rows read through 16-byte aligned windows (_row_window)
-    VEC: tl.constexpr,  # elements of a 16-byte vector
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    x_first, lo, hi, end = _row_window(rows * stride_x_row, n_cols, WINDOW, VEC)
-    y_first, _, _, _ = _row_window(rows * stride_y_row, n_cols, WINDOW, VEC)
-    if WINDOW:  # per row, and none for the rows past n_rows
-        lo, hi, end = lo[:, None], hi[:, None], tl.where(rows < n_rows, end, 0)[:, None]
-        mask = cols < end
-    else:
-        mask = (rows[:, None] < n_rows) & (cols < end)
-    x = tl.load(x_ptr + x_first[:, None] + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    x = _in_row(x, cols, lo, hi, float("-inf"), WINDOW)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=float("-inf"))
+    x = x.to(tl.float32)
     shift = _safe_shift(tl.max(x, axis=1))[:, None]
     e = tl.exp(x - shift)
     s = tl.sum(e, axis=1)[:, None]
-    inv_s = tl.where(s == 0, 0.0, 1.0 / s)  # s == 0: see _write_normalized
     if LOG:
-        y = tl.where(s == 0, float("-inf"), x - shift - tl.log(s))
+        y = tl.where(s == 0, float("-inf"), x - shift - tl.log(s))  # s == 0: see _write_normalized
     else:
-        y = e * inv_s
-    if WINDOW:
-        _store_row(y_ptr + y_first[:, None], cols, y, 0, end, lo, hi, "", WINDOW, VEC)
-        end_cols, end_mask = _row_end_cols(0, end, lo, hi, VEC)
-        x = tl.load(x_ptr + x_first[:, None] + end_cols, mask=end_mask, other=float("-inf")).to(tl.float32)
-        y = _normalized(x, shift, s, inv_s, tl.log(s), LOG)
-        tl.store(y_ptr + y_first[:, None] + end_cols, y.to(y_ptr.dtype.element_ty), mask=end_mask)
-    else:
-        tl.store(y_ptr + y_first[:, None] + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = e * tl.where(s == 0, 0.0, 1.0 / s)
+    tl.store(y_ptr + rows[:, None] * stride_y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -441,40 +425,26 @@ def _softmax_bwd_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the forward
-    WINDOW: tl.constexpr,  # as in the forward
-    VEC: tl.constexpr,
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     stride_dy_row = multiple_of(stride_dy_row, ALIGN)
     stride_dx_row = multiple_of(stride_dx_row, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)[None, :]
-    y_first, lo, hi, end = _row_window(rows * stride_y_row, n_cols, WINDOW, VEC)
-    dy_first, _, _, _ = _row_window(rows * stride_dy_row, n_cols, WINDOW, VEC)
-    dx_first, _, _, _ = _row_window(rows * stride_dx_row, n_cols, WINDOW, VEC)
-    if WINDOW:  # as in the forward
-        lo, hi, end = lo[:, None], hi[:, None], tl.where(rows < n_rows, end, 0)[:, None]
-        mask = cols < end
-    else:
-        mask = (rows[:, None] < n_rows) & (cols < end)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     # masked lanes load 0 (not -inf): they must add nothing to the sums below. y and dy stay in
     # their own dtype between the reduction and the elementwise pass, converted at each use:
     # half the registers of float32 copies for 16-bit rows (up to ops.WIDE_ROWS_MAX_COLS
     # columns), 0.5-1.5% faster on an H100 at 24576-32768 bf16 columns (scratch).
-    y = _in_row(tl.load(y_ptr + y_first[:, None] + cols, mask=mask, other=0.0), cols, lo, hi, 0.0, WINDOW)
-    dy = _in_row(tl.load(dy_ptr + dy_first[:, None] + cols, mask=mask, other=0.0), cols, lo, hi, 0.0, WINDOW)
+    y = tl.load(y_ptr + rows[:, None] * stride_y_row + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
     if LOG:
         dot = tl.sum(dy.to(tl.float32), axis=1)[:, None]
     else:
         dot = tl.sum(y.to(tl.float32) * dy.to(tl.float32), axis=1)[:, None]
     dx = _grad_from_dot(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
-    if WINDOW:
-        _store_row(dx_ptr + dx_first[:, None], cols, dx, 0, end, lo, hi, "", WINDOW, VEC)
-        _write_grad_row_ends(y_ptr + y_first[:, None], dy_ptr + dy_first[:, None], dx_ptr + dx_first[:, None], 0, end,
-                             lo, hi, dot, LOG, VEC)
-    else:
-        tl.store(dx_ptr + dx_first[:, None] + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -335,14 +335,14 @@ def _bwd_prefetch(plan: _Plan, n_cols: int) -> bool:
 
 
 def _window_splits(plan: _Plan, window: bool, n_cols: int, vec: int, device: torch.device) -> tuple[bool, int]:
-    """(window, n_splits) of a launch with this plan (_windowed): the chunks of the long-row
-    kernels cut a window up to vec - 1 columns longer than the row (at most one more chunk); no
-    window where that chunk would take a cooperative row past coop.max_chunks, nor on the rows
-    kernels where the window would not fit the row's power-of-two block."""
-    if not window:
+    """(window, n_splits) of a launch with this plan: windows (_windowed) on the long-row kernels
+    only, whose chunks then cut a window up to vec - 1 columns longer than the row (at most one
+    more chunk); none where that chunk would take a cooperative row past coop.max_chunks. (The
+    rows kernels read odd rows element by element: through windows, with per-row offsets and
+    each row's end vectors apart, they took 1.1-2.3x as long, H200, 131072 x 1001 to
+    16384 x 777 bf16, scratch.)"""
+    if not window or plan.kind == "rows":
         return False, plan.n_splits
-    if plan.kind == "rows":  # (its block must hold the window, up to vec - 1 columns longer)
-        return runtime.next_power_of_2(n_cols + vec - 1) <= plan.block_n, plan.n_splits
     if plan.kind == "looped":
         return True, 1
     n_splits = runtime.cdiv(n_cols + vec - 1, plan.chunk)
@@ -448,8 +448,7 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
     if plan.kind == "rows":
         runtime.launchable(_softmax_fwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             x2, y2, n_rows, n_cols, x2.stride(0), y2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec,
-            num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, n_splits, x.device)
@@ -512,8 +511,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, WINDOW=window, VEC=vec,
-            num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, n_splits, y.device)
