@@ -21,6 +21,10 @@ Four shapes of work, forward and backward alike:
   cut into `n_splits` chunks: the first launch writes each chunk's statistics, the second merges
   a row's statistics and writes its chunk's output.
 
+Rows of odd length or stride (GPT-2's 50257 tokens) share no provable 16-byte vectors with
+their neighbours; the long-row kernels read them through aligned windows (WINDOW, `_row_window`)
+so that their accesses stay vectors. The rows kernels read them element by element.
+
 All math is float32 whatever the input dtype. A fully masked row (all -inf) has no finite max;
 we shift it by 0 instead of -inf so it yields softmax 0 and log-softmax -inf, never NaN.
 -inf is written inline as float("-inf"), not as a module global: torch.compile copies these
@@ -45,7 +49,7 @@ def _row_window(row_offset, n_cols, WINDOW: tl.constexpr, VEC: tl.constexpr):
     """Where a row lies in what its programs read: (first element read, lo, hi, end).
 
     Without WINDOW, the row itself: reads start at its first element, its columns are [0, n_cols)
-    and `end` = n_cols. With WINDOW (rows of odd length or stride, see ops._window), reads start
+    and `end` = n_cols. With WINDOW (rows of odd length or stride, see ops._windowed), reads start
     at the VEC-aligned element at or below the row's first (VEC elements are 16 bytes): the row
     is then columns [lo, hi) = [lead, lead + n_cols) of that window, and every access is a whole
     16-byte vector up to `end`, hi rounded up to a multiple of VEC. The fewer than VEC elements
@@ -78,7 +82,7 @@ def _store_row(ptr, cols, values, start, end, lo, hi, EVICTION: tl.constexpr, WI
                VEC: tl.constexpr):
     """Store values (computed at columns `cols` of [start, end)) where they belong to the row.
     WINDOW: only the row's whole 16-byte vectors, so that the store stays vectorized; the partial
-    vectors at its two ends are the caller's (_store_row_ends)."""
+    vectors at its two ends are the caller's (_row_end_cols)."""
     if WINDOW:
         mask = (cols >= (lo + VEC - 1) // VEC * VEC) & (cols < hi // VEC * VEC) & (cols < end)
     else:
