@@ -370,6 +370,40 @@ def test_odd_rows_read_through_windows_ignore_their_neighbours(op_name, dtype, n
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("n_rows, path", [(40, "looped"), (5, "split")])
+def test_odd_rows_in_padded_views_share_windows_with_their_outputs(op_name, n_rows, path, small_blocks,
+                                                                    kernel_device, seed):
+    """Windows need every tensor's rows to start at the same place within a vector, not equal
+    strides: bf16 rows of 301 columns read in place from rows padded by 8 (one vector) and by
+    13 elements, the padding NaN. Padded by 8 the input's row r starts r * 309 elements in, its
+    output's r * 301: both take windows, at different first elements (ops._windowed); padded
+    by 13 they do not and are read element by element. Forward, then the backward launcher
+    with y and dy in such views."""
+    small_blocks(64, 32)
+    ours, torch_op, ref_fwd, ref_bwd = OPS[op_name]
+    log = op_name == "log_softmax"
+    n_cols = 301
+    x = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=3.0)
+    dy = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed + 1)
+    ref = ref_fwd(x)
+    for pad, windowed in ((8, True), (13, False)):
+        def padded(t, pad=pad):
+            base = torch.full((n_rows, n_cols + pad), float("nan"), dtype=t.dtype, device=t.device)
+            base[:, :n_cols] = t
+            return base[:, :n_cols]
+
+        xp = padded(x)
+        assert ops._windowed(8, xp, x) == windowed
+        testing.assert_close_to_reference(ours(xp, backend="triton"), ref, torch_op(x, -1), factor=FWD_FACTOR,
+                                          name=f"{op_name} forward, rows padded by {pad}")
+        y = ref.to(x.dtype)
+        dx = ops.softmax_bwd(padded(y), padded(dy), 1, log)
+        torch_bwd = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+        testing.assert_close_to_reference(dx, ref_bwd(y, dy), torch_bwd(dy, y, -1, y.dtype), factor=BWD_FACTOR,
+                                          name=f"{op_name} backward, rows padded by {pad}")
+
+@pytest.mark.interpret
 def test_transposed_input_matches_reference(kernel_device, seed):
     x = testing.transposed_copy(testing.randn(33, 20, device=kernel_device, seed=seed))
     check_forward_and_backward("softmax", x, seed=seed)
