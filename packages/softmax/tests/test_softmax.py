@@ -381,9 +381,11 @@ def test_odd_rows_in_padded_views_share_windows_with_their_outputs(op_name, n_ro
     by 13 they do not and are read element by element. Forward, then the backward launcher
     with y and dy in such views."""
     small_blocks(64, 32)
+    n_cols = 301
+    plan = ops._plan(n_rows, n_cols, 64, ops.FWD_ROWS_TILE, torch.device("cpu"), 32, 32, 4)
+    assert plan.kind == path or kernel_device == "cuda"
     ours, torch_op, ref_fwd, ref_bwd = OPS[op_name]
     log = op_name == "log_softmax"
-    n_cols = 301
     x = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed, scale=3.0)
     dy = testing.randn(n_rows, n_cols, dtype=torch.bfloat16, device=kernel_device, seed=seed + 1)
     ref = ref_fwd(x)
@@ -402,6 +404,7 @@ def test_odd_rows_in_padded_views_share_windows_with_their_outputs(op_name, n_ro
         torch_bwd = torch._log_softmax_backward_data if log else torch._softmax_backward_data
         testing.assert_close_to_reference(dx, ref_bwd(y, dy), torch_bwd(dy, y, -1, y.dtype), factor=BWD_FACTOR,
                                           name=f"{op_name} backward, rows padded by {pad}")
+
 
 @pytest.mark.interpret
 def test_transposed_input_matches_reference(kernel_device, seed):
