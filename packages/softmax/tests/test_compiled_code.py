@@ -81,7 +81,7 @@ def test_every_kernel_compiles(name, align):
     pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("max_ptr", "sum_ptr", "dot_ptr") else "*bf16"
                 for a in fn.arg_names if a.endswith("_ptr")}
     variants = [{}]
-    for flag in ("KEEP_IN_L2", "PREFETCH", "WINDOW"):
+    for flag in ("KEEP_IN_L2", "PREFETCH", "WINDOW", "REREAD"):
         if flag in fn.arg_names:
             variants = [v | {flag: on} for v in variants for on in (False, True)]
     if "WINDOW" in fn.arg_names:
@@ -106,11 +106,29 @@ def test_rows_kernels_load_16_bytes_at_a_time_where_the_hint_allows(direction):
     pointers = {a: "*bf16" for a in fn.arg_names if a.endswith("_ptr")}
     vector_loads = {}
     for align in (8, 1):
-        constexprs = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, ALIGN=align)
+        constexprs = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, ALIGN=align) | (
+            {"REREAD": False} if direction == "bwd" else {})
         ptx = testing.compile_for_sm90(fn, pointers, constexprs, num_warps=4, num_stages=3,
                                        aligned=tuple(pointers)).asm["ptx"]
         vector_loads[align] = len(re.findall(r"\bld\.global[\w:.]*\.v4\.b32", ptx))
     assert vector_loads[8] > 0 and vector_loads[1] == 0, vector_loads
+
+
+def test_backward_rows_kernel_rereading_loads_each_row_twice():
+    """REREAD (ops.BWD_REREAD_*): y and dy are loaded again for dx, the second time with
+    evict_first, not kept from the first loads (which a compiler merging equal loads would do)."""
+    from kernel_lab.softmax import _kernels
+
+    fn = _kernels._softmax_bwd_rows_kernel
+    pointers = {a: "*bf16" for a in fn.arg_names if a.endswith("_ptr")}
+    loads = {}
+    for reread in (False, True):
+        constexprs = dict(LOG=False, BLOCK_M=1, BLOCK_N=32768, ALIGN=8, REREAD=reread)
+        ptx = testing.compile_for_sm90(fn, pointers, constexprs, num_warps=32, num_stages=3,
+                                       aligned=tuple(pointers)).asm["ptx"]
+        loads[reread] = len(re.findall(r"\bld\.global[\w:.]*\.v4\.b32", ptx))
+        assert ("evict_first" in ptx) == reread
+    assert loads[True] == 2 * loads[False] > 0, loads
 
 
 WINDOW_KERNELS = {  # the long-row kernels, at the tiles of odd rows (ops.py) where those differ

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernel_lab.softmax.ops as ops
-from kernel_lab.shared import reference, testing
+from kernel_lab.shared import reference, runtime, testing
 from kernel_lab.shared.vector_hints import vector_alignment
 from kernel_lab.softmax import LogSoftmax, Softmax, log_softmax, softmax
 
@@ -259,6 +259,49 @@ def test_wide_rows_past_the_fused_limits_match_reference(op_name, kernel_device,
                                                                            wide_warps)
     check_wide_rows(op_name, testing.randn(n_rows, n_cols, dtype=torch.float16, device=kernel_device, seed=seed,
                                            scale=4.0), seed)
+
+
+def _bwd_plan(n_rows, n_cols, dtype, device):
+    """The backward's plan as softmax_bwd makes it for contiguous rows of even length."""
+    return ops._plan(n_rows, n_cols, ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, device, ops.BWD_LOOP_BLOCK_N,
+                     ops.BWD_COOP_CHUNK, ops.BWD_COOP_NUM_WARPS, ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize), 0,
+                     ops.BWD_WIDE_ROWS_NUM_WARPS, dtype.itemsize <= 2)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_backward_rows_kernel_rereading_its_rows_matches_reference(op_name, kernel_device, seed, monkeypatch):
+    """Many 16-bit rows past the backward's fused limit that fill their block: the rows kernel
+    loads y and dy again for dx (ops.BWD_REREAD_*), here with the limits shrunk to 32 / 64
+    columns. Rows that fill part of their block, fewer rows and float32 rows hold theirs."""
+    monkeypatch.setattr(ops, "_PLANS", {})
+    testing.fresh_launch_plans(monkeypatch)
+    monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", 32)
+    monkeypatch.setattr(ops, "WIDE_ROWS_MAX_COLS", 64)
+    monkeypatch.setattr(ops, "BWD_REREAD_MIN_ROWS_PER_SM", 2)
+    device = torch.device(kernel_device)
+    n_rows = 2 * runtime.sm_count(device)
+    for rows, cols, dtype, reread in ((n_rows, 64, torch.float16, True), (n_rows, 48, torch.float16, False),
+                                      (n_rows - 1, 64, torch.bfloat16, False), (n_rows, 64, torch.float32, False)):
+        plan = _bwd_plan(rows, cols, dtype, device)
+        assert (plan.kind, plan.block_n, plan.reread) == ("rows", 64, reread), (rows, cols, dtype, plan)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = testing.randn(n_rows, 64, dtype=dtype, device=kernel_device, seed=seed, scale=4.0)
+        x[1, ::3] = float("-inf")
+        check_forward_and_backward(op_name, x, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("n_cols, dtype", [(32768, torch.bfloat16), (16384, torch.float16)])
+def test_backward_rereading_rows_on_gpu_match_reference(op_name, n_cols, dtype, seed):
+    """The rereading backward rows kernel at its own sizes: as many rows as the plan asks for."""
+    n_rows = ops.BWD_REREAD_MIN_ROWS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    plan = _bwd_plan(n_rows, n_cols, dtype, torch.device("cuda"))
+    assert plan.kind == "rows" and plan.reread and plan.num_warps == ops.BWD_REREAD_NUM_WARPS
+    assert not _bwd_plan(n_rows - 1, n_cols, dtype, torch.device("cuda")).reread
+    check_forward_and_backward(op_name, testing.randn(n_rows, n_cols, dtype=dtype, device="cuda", seed=seed,
+                                                      scale=4.0), seed=seed)
 
 
 @pytest.mark.gpu
@@ -547,9 +590,7 @@ def test_looped_backward_keeping_rows_in_l2_matches_reference(op_name, n_cols, d
     the limit, and odd rows (ops.ODD_*), stay cooperative."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     n_rows = ops.L2_LOOP_MIN_ROWS_PER_SM * sm_count
-    plan = ops._plan(n_rows, n_cols, ops.BWD_MAX_FUSED_COLS, ops.BWD_ROWS_TILE, torch.device("cuda"),
-                     ops.BWD_LOOP_BLOCK_N, ops.BWD_COOP_CHUNK, ops.BWD_COOP_NUM_WARPS,
-                     ops._bwd_l2_loop(n_cols, 2 * dtype.itemsize), 0, ops.BWD_WIDE_ROWS_NUM_WARPS, dtype.itemsize <= 2)
+    plan = _bwd_plan(n_rows, n_cols, dtype, torch.device("cuda"))
     assert plan.kind == kind and plan.keep_in_l2 == (kind == "looped")
     assert ops._bwd_l2_loop(65536, 2 * torch.bfloat16.itemsize) is None  # 256 KB of y and dy a row
     assert ops._odd_rows(n_cols + 1, n_cols + 1) and not ops._odd_rows(n_cols, n_cols)

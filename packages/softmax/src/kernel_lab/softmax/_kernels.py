@@ -429,6 +429,7 @@ def _softmax_bwd_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,  # as in the forward
+    REREAD: tl.constexpr,  # load y and dy again for dx (from L2) instead of holding them (ops.BWD_REREAD_*)
 ):
     n_cols = multiple_of(n_cols, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
@@ -441,12 +442,19 @@ def _softmax_bwd_rows_kernel(
     # their own dtype between the reduction and the elementwise pass, converted at each use:
     # half the registers of float32 copies for 16-bit rows (up to ops.WIDE_ROWS_MAX_COLS
     # columns), 0.5-1.5% faster on an H100 at 24576-32768 bf16 columns (scratch).
-    y = tl.load(y_ptr + rows[:, None] * stride_y_row + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * stride_y_row + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_last" if REREAD else "")
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy="evict_last" if REREAD else "")
     if LOG:
         dot = tl.sum(dy.to(tl.float32), axis=1)[:, None]
     else:
         dot = tl.sum(y.to(tl.float32) * dy.to(tl.float32), axis=1)[:, None]
+    if REREAD:  # the tile's lines were just read: L2 hits, and no registers held across the sum
+        y = tl.load(y_ptr + rows[:, None] * stride_y_row + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy="evict_first")
     dx = _grad_from_dot(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
     tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 

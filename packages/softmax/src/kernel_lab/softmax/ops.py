@@ -101,6 +101,22 @@ WIDE_ROWS_MAX_COLS = 32768
 WIDE_ROWS_MIN_FILL = 0.6
 FWD_WIDE_ROWS_NUM_WARPS = 32
 BWD_WIDE_ROWS_NUM_WARPS = 16
+# ... except that many such backward rows which fill their block exactly (16384 or 32768 columns,
+# e.g. Mistral's 32768-token vocabulary) load y and dy again for dx (REREAD: from L2, which
+# still holds the row just summed) instead of holding them across the row's sum, over 32 warps:
+# a program then holds no row while it reduces, and two fit an SM. H100, bf16 unless said, the
+# rows kernel launched directly, alternated over seven rounds, two runs (scratch, 2026-11-28),
+# us, reread over 32 warps against held over 16 (the plan before) and the best other tile:
+# 4096 x 32768 266.6-267.1 against 271.8-272.6 (held over 8: 269.4-270.1; a looped kernel with
+# four unrolled, unmasked 8192-column steps over 32 warps 265.8-266.4), fp16 266.3-266.6 against
+# 271.5-271.8; 8192 x 16384 265.4-266.0 against 264.3-264.6 (level); fewer rows, 2048 x 32768
+# (15.5 an SM): 137.0-137.8 against 136.7-137.2 (held over 8: 135.3-135.7), and 512 x 32768 40.4
+# against 37.2. Rows that fill part of their block lost: 2560 x 24576 132.2-132.9 against
+# 127.4-127.9, 6400 x 20000 297.9 against 256.5. (Rows of at most 8192 columns gained 0.6-0.8%
+# with it at 16384 x 8192 and 32768 x 4096: not taken.) torch.compile's kernel at 4096 x 32768
+# took 274.0 us in the benchmark (history 0038).
+BWD_REREAD_MIN_ROWS_PER_SM = 24
+BWD_REREAD_NUM_WARPS = 32
 # Columns per program and warps of the cooperative kernels (CUDA; rows longer than the fused
 # limit). A row may be cut into at most as many chunks as the GPU has SMs (kernel_lab.shared.coop),
 # e.g. 2M columns on 132 SMs in the forward. What bounds them is the synchronisation, not the
@@ -252,6 +268,7 @@ class _Plan:
     n_splits: int = 1
     chunk: int = 0
     keep_in_l2: bool = False  # looped forward: the first pass keeps the row in L2 for the second
+    reread: bool = False  # backward rows kernel: y and dy loaded again for dx (BWD_REREAD_*)
 
 
 # Plans by their arguments: building one costs a few microseconds of host arithmetic and device
@@ -276,7 +293,8 @@ def _plan(
     coop_block_n: the steps of the forward's cooperative kernel through its chunk (0: one step).
     wide_rows_warps: warps of the rows kernel on rows of up to WIDE_ROWS_MAX_COLS, too few of
     them for the L2 loop (0: none; they are cut across programs); wide_rows_first: also with many
-    rows, before the L2 loop, where a row fills WIDE_ROWS_MIN_FILL of its block."""
+    rows, before the L2 loop, where a row fills WIDE_ROWS_MIN_FILL of its block (the backward of
+    16-bit rows: rows that fill it all read again, BWD_REREAD_*)."""
     key = (n_rows, n_cols, max_fused_cols, rows_tile, device, loop_block_n, coop_chunk, coop_num_warps, l2_loop,
            coop_block_n, wide_rows_warps, wide_rows_first)
     if type(n_rows) is not int or type(n_cols) is not int:  # symbolic sizes (tracing): not cached
@@ -368,6 +386,8 @@ def _make_plan(
     wide_block_n = runtime.next_power_of_2(n_cols)
     if wide_rows_warps and n_cols <= WIDE_ROWS_MAX_COLS and (
             few_rows or (wide_rows_first and n_cols >= WIDE_ROWS_MIN_FILL * wide_block_n)):
+        if wide_rows_first and n_cols == wide_block_n and n_rows >= BWD_REREAD_MIN_ROWS_PER_SM * sm_count:
+            return _Plan("rows", block_n=wide_block_n, num_warps=BWD_REREAD_NUM_WARPS, reread=True)
         return _Plan("rows", block_n=wide_block_n, num_warps=wide_rows_warps)
     if on_gpu and l2_loop is not None and not few_rows:
         return _Plan("looped", block_n=l2_loop[0], num_warps=l2_loop[1], keep_in_l2=True)
@@ -514,7 +534,8 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
     if plan.kind == "rows":
         runtime.launchable(_softmax_bwd_rows_kernel, traceable, key)[(runtime.cdiv(n_rows, plan.block_m),)](
             y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0),
-            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
+            LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, REREAD=plan.reread,
+            num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
         work = coop.workspace(n_rows, n_splits, y.device)
