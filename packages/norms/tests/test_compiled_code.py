@@ -52,9 +52,9 @@ COOP_KERNELS = [name for name in CASES if "coop" in name]
 
 
 def _pointer_types(kernel) -> dict:
-    return {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "partial_ptr",
-                                                                    "dot_ptr")
-            else "*bf16" for a in kernel.arg_names if a.endswith("_ptr")}
+    float32 = ("rstd_ptr", "mean_ptr", "dw_partial_ptr", "partial_ptr", "dot_ptr")
+    return {a: "*i32" if a in ("sync_ptr", "clear_ptr") else "*fp32" if a in float32 else "*bf16"
+            for a in kernel.arg_names if a.endswith("_ptr")}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -239,13 +239,13 @@ def test_cooperative_backward_kernels_walk_their_rows(op, kernel_device, seed):
         make(n_cols, k=3), make(n_cols, k=4)
     dy[4] = 0
     dx = torch.empty_like(x)
-    work = coop.workspace(n_rows, 1, x.device)
+    work = coop.workspace(n_rows, 1, x.device)  # (scratch, region to clear, its length)
     align = vector_alignment(x.element_size(), n_cols)  # as the launchers compute it
     if op == "layer_norm":
         mean, rstd = (t.float().contiguous() for t in reference.layer_norm_stats(x, 1e-5))
         partial = torch.empty(2, n_groups, n_cols, device=kernel_device)
         ops._layer_norm_bwd_coop_kernel[(n_groups,)](
-            dy, x, w, mean, rstd, dx, partial, n_rows, n_cols, rows_per_group, n_cols, n_cols, n_cols, work, 1,
+            dy, x, w, mean, rstd, dx, partial, n_rows, n_cols, rows_per_group, n_cols, n_cols, n_cols, *work, 1,
             HAS_WEIGHT=True, HAS_BIAS=True, CHUNK=chunk, SPLITS_POW2=1, ALIGN=align, num_warps=1)
         got = {"dx": dx, "dw": partial[0].sum(0), "db": partial[1].sum(0)}
         expected = dict(zip(("dx", "dw", "db"), reference.layer_norm_backward(dy, x, w, b, 1e-5), strict=True))
@@ -256,7 +256,7 @@ def test_cooperative_backward_kernels_walk_their_rows(op, kernel_device, seed):
         partial = torch.empty(n_groups, n_cols, device=kernel_device)
         ops._rms_norm_bwd_coop_kernel[(n_groups,)](
             dy, x, x, w, rstd, du_or_dx, dx, dx, partial, n_rows, n_cols, 0.0, rows_per_group,
-            n_cols, n_cols, n_cols, n_cols, n_cols, n_cols, work, 1,
+            n_cols, n_cols, n_cols, n_cols, n_cols, n_cols, *work, 1,
             HAS_WEIGHT=True, HAS_GATE=False, HAS_DU=op == "residual_rms_norm", CHUNK=chunk, SPLITS_POW2=1,
             ALIGN=align, num_warps=1)
         got = {"dx": dx, "dw": partial.sum(0)}

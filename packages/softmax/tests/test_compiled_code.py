@@ -40,7 +40,7 @@ def _coop_ptx(direction: str, log: bool, dtype: str) -> str:
         constexprs = dict(LOG=log, CHUNK=ops.LOG_BWD_COOP_CHUNK if log else ops.BWD_COOP_CHUNK, SPLITS_POW2=16,
                           ALIGN=8, WINDOW=False, VEC=8)
         num_warps = ops.LOG_BWD_COOP_NUM_WARPS if log else ops.BWD_COOP_NUM_WARPS
-    types = {name: f"*{dtype}" for name in tensors} | {"sync_ptr": "*i32"}
+    types = {name: f"*{dtype}" for name in tensors} | {"sync_ptr": "*i32", "clear_ptr": "*i32"}
     return testing.compile_for_sm90(fn, types, constexprs, num_warps=num_warps, num_stages=3).asm["ptx"]
 
 
@@ -78,7 +78,8 @@ def test_every_kernel_compiles(name, align):
     from kernel_lab.softmax import _kernels
 
     fn = getattr(_kernels, name)
-    pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a in ("max_ptr", "sum_ptr", "dot_ptr") else "*bf16"
+    pointers = {a: "*i32" if a in ("sync_ptr", "clear_ptr") else "*fp32" if a in ("max_ptr", "sum_ptr", "dot_ptr")
+                else "*bf16"
                 for a in fn.arg_names if a.endswith("_ptr")}
     variants = [{}]
     for flag in ("KEEP_IN_L2", "PREFETCH", "WINDOW", "REREAD"):
@@ -148,7 +149,7 @@ def test_odd_rows_read_through_windows_move_16_bytes_at_a_time(name):
     from kernel_lab.softmax import _kernels
 
     fn = getattr(_kernels, name)
-    pointers = {a: "*i32" if a == "sync_ptr" else "*fp32" if a == "dot_ptr" else "*bf16"
+    pointers = {a: "*i32" if a in ("sync_ptr", "clear_ptr") else "*fp32" if a == "dot_ptr" else "*bf16"
                 for a in fn.arg_names if a.endswith("_ptr")}
     counts = {}
     for window in (True, False):

@@ -176,12 +176,13 @@ def _rms_norm_fwd_kernel(
             tl.store(rstd_ptr + rows, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])  # (it varies between calls of one launch plan)
 def _rms_norm_fwd_coop_kernel(
     x_ptr, res_ptr, gate_ptr, w_ptr, y_ptr, u_ptr, rstd_ptr,  # as _rms_norm_fwd_kernel's
     n_rows, n_cols, eps, offset,
     stride_x_row, stride_res_row, stride_gate_row, stride_y_row, stride_u_row,
     sync_ptr,  # kernel_lab.shared.coop.workspace
+    clear_ptr, clear_len,  # the previous launch's scratch, zeroed here (coop.workspace)
     n_splits,  # chunks per row
     HAS_WEIGHT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -204,7 +205,7 @@ def _rms_norm_fwd_coop_kernel(
     stride_u_row = multiple_of(stride_u_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps, offset = tl.cast(eps, tl.float32), tl.cast(offset, tl.float32)
-    row, split = coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     rows = row + tl.arange(0, 1)
     start = split * CHUNK
     tl.static_assert(CHUNK % ALIGN == 0)
@@ -396,13 +397,14 @@ def _rms_norm_bwd_wide_kernel(
                      mask=cols < n_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])  # (it varies between calls of one launch plan)
 def _rms_norm_bwd_coop_kernel(
     dy_ptr, x_ptr, gate_ptr, w_ptr, rstd_ptr, du_ptr,  # as _rms_norm_bwd_kernel's
     dx_ptr, dgate_ptr, dw_partial_ptr,  # dw_partial: (n_groups, n_cols) float32
     n_rows, n_cols, offset, rows_per_group,
     stride_dy_row, stride_x_row, stride_gate_row, stride_du_row, stride_dx_row, stride_dgate_row,
     sync_ptr,  # kernel_lab.shared.coop.workspace
+    clear_ptr, clear_len,  # the previous launch's scratch, zeroed here (coop.workspace)
     n_splits,  # chunks per row
     HAS_WEIGHT: tl.constexpr,
     HAS_GATE: tl.constexpr,
@@ -428,7 +430,7 @@ def _rms_norm_bwd_coop_kernel(
     stride_dgate_row = multiple_of(stride_dgate_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     offset = tl.cast(offset, tl.float32)
-    group, split = coop_ticket(sync_ptr, n_splits)
+    group, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     mask = (cols < n_cols)[None, :]
     row_start = group * rows_per_group
@@ -553,12 +555,13 @@ def _layer_norm_fwd_kernel(
             tl.store(rstd_ptr + rows, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])  # (it varies between calls of one launch plan)
 def _layer_norm_fwd_coop_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,  # as _layer_norm_fwd_kernel's
     n_rows, n_cols, eps,
     stride_x_row, stride_y_row,
     sync_ptr,  # kernel_lab.shared.coop.workspace
+    clear_ptr, clear_len,  # the previous launch's scratch, zeroed here (coop.workspace)
     n_splits,  # chunks per row
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -574,7 +577,7 @@ def _layer_norm_fwd_coop_kernel(
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     # float32 math under torch.compile too: see FLOAT_ARGUMENTS_NOTE
     eps = tl.cast(eps, tl.float32)
-    row, split = coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     rows = row + tl.arange(0, 1)
     start = split * CHUNK
     tl.static_assert(CHUNK % ALIGN == 0)
@@ -785,13 +788,14 @@ def _layer_norm_bwd_wide_kernel(
                                    HAS_WEIGHT, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])  # (it varies between calls of one launch plan)
 def _layer_norm_bwd_coop_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,
     dx_ptr, partial_ptr,  # partials: (n_params, n_groups, n_cols) float32, see _layer_norm_store_partials
     n_rows, n_cols, rows_per_group,
     stride_dy_row, stride_x_row, stride_dx_row,
     sync_ptr,  # kernel_lab.shared.coop.workspace
+    clear_ptr, clear_len,  # the previous launch's scratch, zeroed here (coop.workspace)
     n_splits,  # chunks per row
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -808,7 +812,7 @@ def _layer_norm_bwd_coop_kernel(
     stride_dy_row = multiple_of(stride_dy_row, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     stride_dx_row = multiple_of(stride_dx_row, ALIGN)
-    group, split = coop_ticket(sync_ptr, n_splits)
+    group, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     row_start = group * rows_per_group
     row_end = tl.minimum(row_start + rows_per_group, n_rows)

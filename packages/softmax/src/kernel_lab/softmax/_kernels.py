@@ -203,10 +203,11 @@ def _merge_chunk_stats(part_m, part_s):
     return shift, tl.sum(part_s * tl.exp(part_m - shift), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])  # (it varies between calls of one launch plan)
 def _softmax_fwd_coop_kernel(
     x_ptr, y_ptr,
     sync_ptr,  # kernel_lab.shared.coop.workspace: the ticket, arrival counts and statistics words
+    clear_ptr, clear_len,  # the previous launch's scratch, zeroed here (coop.workspace)
     n_rows, n_cols, stride_x_row, stride_y_row,
     n_splits,
     LOG: tl.constexpr,
@@ -220,7 +221,7 @@ def _softmax_fwd_coop_kernel(
     n_cols = multiple_of(n_cols, ALIGN)
     stride_x_row = multiple_of(stride_x_row, ALIGN)
     stride_y_row = multiple_of(stride_y_row, ALIGN)
-    row, split = coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     x_first, lo, hi, row_end = _row_window(row * stride_x_row, n_cols, WINDOW, VEC)
     y_first, _, _, _ = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
     start = split * CHUNK
@@ -459,10 +460,11 @@ def _softmax_bwd_rows_kernel(
     tl.store(dx_ptr + rows[:, None] * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clear_len"])
 def _softmax_bwd_coop_kernel(
     y_ptr, dy_ptr, dx_ptr,
     sync_ptr,  # as in the forward; a word holds a chunk's reduction (lo) and 1.0 (hi: never 0)
+    clear_ptr, clear_len,  # as in the forward
     n_rows, n_cols, stride_y_row, stride_dy_row, stride_dx_row,
     n_splits,
     LOG: tl.constexpr,
@@ -476,7 +478,7 @@ def _softmax_bwd_coop_kernel(
     stride_y_row = multiple_of(stride_y_row, ALIGN)
     stride_dy_row = multiple_of(stride_dy_row, ALIGN)
     stride_dx_row = multiple_of(stride_dx_row, ALIGN)
-    row, split = coop_ticket(sync_ptr, n_splits)
+    row, split = coop_ticket(sync_ptr, n_splits, clear_ptr, clear_len)
     y_first, lo, hi, end = _row_window(row * stride_y_row, n_cols, WINDOW, VEC)
     dy_first, _, _, _ = _row_window(row * stride_dy_row, n_cols, WINDOW, VEC)
     dx_first, _, _, _ = _row_window(row * stride_dx_row, n_cols, WINDOW, VEC)
