@@ -69,3 +69,18 @@ def test_coop_ticket_hands_out_rows_and_chunks_and_clears_its_share(clear_len, k
     tickets = sorted(r * n_splits + s for r, s in out.tolist())
     assert tickets == list(range(n_programs)) and int(sync[0]) == n_programs
     assert not dirty[:clear_len].any() and (dirty[clear_len:] == 5).all()
+
+
+def test_a_launch_that_raises_drops_the_kept_buffers(monkeypatch):
+    """coop.launch passes a launch's result through and keeps the buffers; if the launch raises,
+    whether its kernel was queued is unknown, so the kept buffers are dropped and the next
+    launch starts from fresh zeroed ones."""
+    monkeypatch.setattr(coop, "_PAIRS", {("key",): coop._Pair()})
+    assert coop.launch(lambda a, b=0: a + b, 2, b=3) == 5 and len(coop._PAIRS) == 1
+
+    def fails(*args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        coop.launch(fails, 1)
+    assert not coop._PAIRS

@@ -123,6 +123,19 @@ def release_workspaces() -> None:
     _PAIRS.clear()
 
 
+def launch(run, *args, **kwargs):
+    """run(*args, **kwargs): a kernel launch whose arguments may hold `workspace`'s buffers. If it
+    raises (a failed launch, a KeyboardInterrupt), the kept buffers are dropped: whether the
+    kernel was queued, and so which buffer is clean, is then unknown, and a launch that takes a
+    dirty buffer would wait forever. (An exception between `workspace` and this call, a few
+    bytecodes, is not covered.)"""
+    try:
+        return run(*args, **kwargs)
+    except BaseException:
+        release_workspaces()
+        raise
+
+
 @triton.jit
 def _clear_share(clear_ptr, clear_len):
     """Zero this program's share of clear_ptr[:clear_len] (the programs of a 1-D grid split it)."""

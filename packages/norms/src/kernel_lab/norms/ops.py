@@ -412,9 +412,9 @@ def rms_norm_fwd(
         launch, strides, splits = _RECIPES.get(key) or _remember(key, _rms_fwd_recipe(x2, r2, z2, weight, plan=key))
     y2 = runtime.rows_view(y)
     # absent inputs and u stand in as x and y: their flags keep the kernel from touching them
-    launch(x2, x2 if r2 is None else r2, x2 if z2 is None else z2, x2 if weight is None else weight,
-           y2, y2 if u is None else runtime.rows_view(u), rstd, n_rows, n_cols, eps, offset, *strides,
-           *_coop_arguments(n_rows, splits, device, via_op))
+    coop.launch(launch, x2, x2 if r2 is None else r2, x2 if z2 is None else z2, x2 if weight is None else weight,
+                y2, y2 if u is None else runtime.rows_view(u), rstd, n_rows, n_cols, eps, offset, *strides,
+                *_coop_arguments(n_rows, splits, device, via_op))
     return y, u, rstd
 
 
@@ -433,7 +433,8 @@ def _rms_fwd_one_tile(t: _Tile, n_rows: int, gated: bool, residual: bool) -> _Ti
 
 def _coop_arguments(n_rows: int, splits: int, device: torch.device, traced: bool) -> tuple:
     """The trailing arguments of a cooperative launch (coop.workspace's scratch, and the chunks
-    per row), or none."""
+    per row), or none. The launch goes through coop.launch (the forwards' plain ones too: it
+    passes them through)."""
     return (*coop.workspace(n_rows, splits, device, traced), splits) if splits else ()
 
 
@@ -517,7 +518,8 @@ def rms_norm_bwd(
     if kind == "wide":  # + each row's dot, float32 scratch
         launch(*tensors, torch.empty(n_rows, dtype=torch.float32, device=device), n_rows, n_cols, offset, *ints)
     elif kind == "coop":  # ints: rows a group, the strides, then the chunks a row
-        launch(*tensors, n_rows, n_cols, offset, *ints[:-1], *_coop_arguments(n_rows, ints[-1], device, via_op))
+        coop.launch(launch, *tensors, n_rows, n_cols, offset, *ints[:-1],
+                    *_coop_arguments(n_rows, ints[-1], device, via_op))
     else:
         launch(*tensors, n_rows, n_cols, offset, *ints)
     return dx, dgate, None if weight is None else partial_sums.sum_partials(partial, weight.dtype, via_op)
@@ -586,8 +588,8 @@ def layer_norm_fwd(
         key = ("layer_norm_fwd", device, x2.shape, *map(plan_arg_key, (x2, weight, bias)))
         launch, strides, splits = _RECIPES.get(key) or _remember(
             key, _layer_norm_fwd_recipe(x2, weight, bias, plan=key))
-    launch(x2, x2 if weight is None else weight, x2 if bias is None else bias, runtime.rows_view(y), mean, rstd,
-           n_rows, n_cols, eps, *strides, *_coop_arguments(n_rows, splits, device, via_op))
+    coop.launch(launch, x2, x2 if weight is None else weight, x2 if bias is None else bias, runtime.rows_view(y),
+                mean, rstd, n_rows, n_cols, eps, *strides, *_coop_arguments(n_rows, splits, device, via_op))
     return y, mean, rstd
 
 
@@ -655,7 +657,7 @@ def layer_norm_bwd(
     if kind == "wide":  # + each row's two dots, float32 scratch
         launch(*tensors, torch.empty((n_rows, 2), dtype=torch.float32, device=device), n_rows, n_cols, *ints)
     elif kind == "coop":  # ints: rows a group, the strides, then the chunks a row
-        launch(*tensors, n_rows, n_cols, *ints[:-1], *_coop_arguments(n_rows, ints[-1], device, via_op))
+        coop.launch(launch, *tensors, n_rows, n_cols, *ints[:-1], *_coop_arguments(n_rows, ints[-1], device, via_op))
     else:
         launch(*tensors, n_rows, n_cols, *ints)
     dw_partial = db_partial = partial

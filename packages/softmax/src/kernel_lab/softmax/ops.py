@@ -474,7 +474,8 @@ def softmax_fwd(x: torch.Tensor, dim: int, log: bool, traceable: bool = False) -
             LOG=log, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, ALIGN=align, num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * n_splits,)](
+        coop.launch(  # (which drops the kept scratch if the launch raises)
+            runtime.launchable(_softmax_fwd_coop_kernel, traceable, key)[(n_rows * n_splits,)],
             x2, y2, *coop.workspace(n_rows, n_splits, x.device, traceable),
             n_rows, n_cols, x2.stride(0), y2.stride(0), n_splits,
             LOG=log, CHUNK=plan.chunk, BLOCK_N=min(plan.block_n, plan.chunk),
@@ -538,7 +539,8 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, traceabl
             num_warps=plan.num_warps,
         )
     elif plan.kind == "coop":
-        runtime.launchable(_softmax_bwd_coop_kernel, traceable, key)[(n_rows * n_splits,)](
+        coop.launch(
+            runtime.launchable(_softmax_bwd_coop_kernel, traceable, key)[(n_rows * n_splits,)],
             y2, dy2, dx2, *coop.workspace(n_rows, n_splits, y.device, traceable),
             n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), n_splits,
             LOG=log, CHUNK=plan.chunk, SPLITS_POW2=runtime.next_power_of_2(n_splits),
