@@ -32,6 +32,7 @@ def small_blocks(monkeypatch):
 
     def shrink(max_fused: int, loop_block: int) -> None:
         monkeypatch.setattr(ops, "_PLANS", {})  # plans made with the other thresholds
+        monkeypatch.setattr(ops, "_EAGER_ROWS", {})  # and launches remembered from them
         testing.fresh_launch_plans(monkeypatch)  # and the launch plans keyed without them
         monkeypatch.setattr(ops, "FWD_MAX_FUSED_COLS", max_fused)
         monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", max_fused)
@@ -184,6 +185,47 @@ def test_rows_kernel_matches_reference(op_name, dtype, shape, kernel_device, see
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("op_name", list(OPS))
+def test_repeated_call_takes_remembered_rows_launch(op_name, kernel_device, seed, monkeypatch):
+    """A call on a contiguous input of a shape, dtype, device and 16-byte alignment seen before
+    launches the remembered rows-kernel launch (ops._EAGER_ROWS) without planning; other
+    layouts, another dim, another alignment and the other op plan. Every result on fresh values
+    against the reference."""
+    monkeypatch.setattr(ops, "_EAGER_ROWS", {})
+    planned = []
+    plan = ops._plan
+    monkeypatch.setattr(ops, "_plan", lambda *args: planned.append(args) or plan(*args))
+    ours, torch_op, ref_fwd, _ = OPS[op_name]
+    shape = (3, 5, 130)
+
+    def check(x, dim=-1, *, plans: bool):
+        before = len(planned)
+        y = ours(x, dim, backend="triton")
+        assert (len(planned) > before) == plans
+        testing.assert_close_to_reference(y, ref_fwd(x, dim), torch_op(x, dim), factor=FWD_FACTOR,
+                                          name=f"{op_name} remembered launch")
+
+    def fresh(scale):
+        return testing.randn(*shape, dtype=torch.float16, device=kernel_device, seed=seed + int(scale), scale=scale)
+
+    check(fresh(2.0), plans=True)
+    assert len(ops._EAGER_ROWS) == 1
+    check(fresh(3.0), plans=False)
+    check(fresh(4.0).requires_grad_(True), plans=False)  # the autograd forward launches it too
+    padded = torch.full((*shape[:-1], 144), float("nan"), dtype=torch.float16, device=kernel_device)
+    padded[..., :130] = fresh(5.0)
+    check(padded[..., :130], plans=True)  # rows 144 apart: not contiguous
+    check(fresh(6.0), 1, plans=True)
+    flat = torch.full((3 * 5 * 130 + 1,), float("nan"), dtype=torch.float16, device=kernel_device)
+    flat[1:] = fresh(7.0).flatten()
+    check(flat[1:].view(shape), plans=True)  # 2 bytes past a 16-byte boundary
+    other = "log_softmax" if op_name == "softmax" else "softmax"
+    before = len(planned)
+    OPS[other][0](fresh(8.0))
+    assert len(planned) > before
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize("dim", [0, 1])
 def test_non_last_dim_matches_reference(op_name, dim, kernel_device, seed):
     x = testing.randn(5, 67, 3, dtype=torch.float16, device=kernel_device, seed=seed)
@@ -275,6 +317,7 @@ def test_backward_rows_kernel_rereading_its_rows_matches_reference(op_name, kern
     loads y and dy again for dx (ops.BWD_REREAD_*), here with the limits shrunk to 32 / 64
     columns. Rows that fill part of their block, fewer rows and float32 rows hold theirs."""
     monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(ops, "_EAGER_ROWS", {})
     testing.fresh_launch_plans(monkeypatch)
     monkeypatch.setattr(ops, "BWD_MAX_FUSED_COLS", 32)
     monkeypatch.setattr(ops, "WIDE_ROWS_MAX_COLS", 64)

@@ -3,5 +3,5 @@
 from .modules import LogSoftmax, Softmax
 from .ops import log_softmax, softmax
 
-__version__ = "0.2.17"
+__version__ = "0.2.18"
 __all__ = ["LogSoftmax", "Softmax", "log_softmax", "softmax"]
