@@ -211,7 +211,10 @@ def _splitk_reduce_kernel(
         acc += tl.load(ptrs + s * stride_ws, mask=mask, other=0.0)
         if HAS_RSTD:
             ssq += tl.load(ssq_ptr + s * stride_ssq + offs_m, mask=mask_m, other=0.0)
-    rstd = 1.0 / tl.sqrt(ssq * inv_k + eps)
+    if HAS_RSTD:
+        rstd = 1.0 / tl.sqrt(ssq * inv_k + eps)
+    else:  # unused: no 1 / sqrt(0) (the interpreter warned of it on every plain split-K reduce)
+        rstd = ssq
     _epilogue_store(
         acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
         bias_ptr, scale_a_ptr, stride_sa, scale_b_ptr, stride_sb, rstd,
