@@ -38,9 +38,23 @@ def test_sum_partials_of_no_rows_is_zero(kernel_device):
     assert torch.equal(got, torch.zeros(7, dtype=torch.bfloat16, device=kernel_device))
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("n_slabs, n_rows, n_cols", [(2, 33, 65), (3, 1, 200), (2, 0, 9)])
+def test_sum_partials_sums_each_slab(kernel_device, seed, n_slabs, n_rows, n_cols):
+    """(n_slabs, n_rows, n_cols) partials in one launch: each slab's column sums, as the 2-D call
+    on that slab alone gives them (the same kernel and tiles: equal bit for bit)."""
+    gen = torch.Generator(kernel_device).manual_seed(seed)
+    partials = torch.randn((n_slabs, n_rows, n_cols), device=kernel_device, generator=gen)
+    out = partial_sums.sum_partials(partials, torch.bfloat16)
+    assert out.shape == (n_slabs, n_cols) and out.dtype == torch.bfloat16
+    for slab in range(n_slabs):
+        assert torch.equal(out[slab], partial_sums.sum_partials(partials[slab].contiguous(), torch.bfloat16))
+
+
 def test_sum_partials_rejects_bad_partials():
-    for bad in (torch.zeros((2, 2), dtype=torch.float16), torch.zeros((2, 4))[:, ::2], torch.zeros((1, 2, 2))):
-        with pytest.raises(ValueError, match="contiguous 2-D float32"):
+    for bad in (torch.zeros((2, 2), dtype=torch.float16), torch.zeros((2, 4))[:, ::2], torch.zeros((1, 1, 2, 2)),
+                torch.zeros(4), torch.zeros((2, 2, 4))[:, :, ::2]):
+        with pytest.raises(ValueError, match="contiguous 2-D or 3-D float32"):
             partial_sums.sum_partials(bad, torch.float32)
 
 

@@ -189,6 +189,30 @@ def test_layer_norm_with_one_affine_parameter(present, long_rows, small_blocks, 
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_parameter_gradients_in_one_or_two_sums(bias_dtype, monkeypatch, kernel_device, seed):
+    """An eager backward adds dweight's and dbias' partial sums up in one launch when the two
+    share a dtype (rows of one (2, hidden) result), in two when they do not (float32 weight,
+    bfloat16 bias): both against the float64 reference."""
+    launches = []
+    real = ops.partial_sums.sum_partials
+
+    def counted(partials, *args, **kwargs):
+        launches.append(partials.shape)
+        return real(partials, *args, **kwargs)
+
+    monkeypatch.setattr(ops.partial_sums, "sum_partials", counted)
+    inputs = make_inputs("layer_norm", (7, 70), torch.bfloat16, kernel_device, seed, weight_dtype=torch.float32,
+                         shift=1.0)
+    inputs["bias"] = inputs["bias"].to(bias_dtype)
+    check_op("layer_norm", inputs, eps=1e-5, seed=seed, backend="triton")
+    if bias_dtype == torch.float32:  # as the weight: both slabs (2, programs, 70) in one sum
+        assert len(launches) == 1 and len(launches[0]) == 3 and launches[0][0] == 2, launches
+    else:
+        assert len(launches) == 2 and all(len(shape) == 2 for shape in launches), launches
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("n_cols, long_rows", [(40, False), (200, True)])
 def test_rows_of_a_multiple_of_8_columns_match_reference(op, n_cols, long_rows, small_blocks, kernel_device, seed):

@@ -5,4 +5,4 @@ Submodules: `runtime`, `reference`, `testing`, `bench`, `shapes`, `pytest_plugin
 triton is installed).
 """
 
-__version__ = "0.1.21"
+__version__ = "0.1.22"

@@ -6,6 +6,8 @@ partial sums, which are then added up:
 
     partials (n_programs, n_cols) float32  ->  gradient (n_cols,) in the parameter's dtype
 
+(or several such slabs at once, one per parameter: (n_slabs, n_programs, n_cols) -> (n_slabs, n_cols)).
+
 Two ways, both in a fixed order (the same result every run):
 - `sum_partials`: one more Triton launch after the kernel. It replaces `partial.sum(0).to(dtype)`:
   two torch ops, and on the lent H200 host each op costs about as much host time as a whole
@@ -44,12 +46,16 @@ NUM_WARPS = 4
 
 @triton.jit
 def _sum_partials_kernel(
-    partial_ptr,  # (n_rows, n_cols) float32, contiguous
-    out_ptr,  # (n_cols,)
+    partial_ptr,  # (n_slabs, n_rows, n_cols) float32, contiguous
+    out_ptr,  # (n_slabs, n_cols), contiguous
     n_rows, n_cols,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # program (column block, slab): each slab is summed on its own
+    slab = tl.program_id(1).to(tl.int64)
+    partial_ptr += slab * n_rows * n_cols
+    out_ptr += slab * n_cols
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in tl.range(0, n_rows, BLOCK_M, num_stages=3):
@@ -69,17 +75,19 @@ def _sum_tile(n_rows: int, n_cols: int, sms: int) -> tuple[int, int]:
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
-    """Column sums of `partials` (float32, contiguous, (n_programs, n_cols)), cast to `dtype`.
+    """Column sums of `partials` (float32, contiguous, (n_programs, n_cols)), cast to `dtype`;
+    or of each slab of (n_slabs, n_programs, n_cols) partials, in the same launch (a LayerNorm's
+    dweight and dbias: one launch instead of two, where host time bounds the backward).
 
     traced: pass True from inside a `triton_op` body (see `runtime.launchable`).
-    Returns a new (n_cols,) tensor of `dtype` on partials' device.
+    Returns a new (n_cols,) tensor of `dtype` on partials' device, or (n_slabs, n_cols).
     """
-    if partials.dtype != torch.float32 or not partials.is_contiguous() or partials.ndim != 2:
-        raise ValueError(f"sum_partials: partials must be a contiguous 2-D float32 tensor, got "
+    if partials.dtype != torch.float32 or not partials.is_contiguous() or partials.ndim not in (2, 3):
+        raise ValueError(f"sum_partials: partials must be a contiguous 2-D or 3-D float32 tensor, got "
                          f"{partials.dtype} of shape {tuple(partials.shape)}")
-    n_rows, n_cols = partials.shape
-    out = torch.empty(n_cols, dtype=dtype, device=partials.device)
-    if n_cols:
+    *slabs, n_rows, n_cols = partials.shape
+    out = torch.empty((*slabs, n_cols), dtype=dtype, device=partials.device)
+    if out.numel():
         # Launch plan key (runtime.DirectLauncher.planned): the device and the sizes fix the grid
         # and the integer specialisations, the addresses' alignment the pointers'. A backward
         # calls this on the autograd engine's device thread, where host work costs about twice
@@ -88,7 +96,8 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype, traced: bool = Fals
         plan = None if traced else (partials.device, partials.shape, dtype, partials.data_ptr() % 16,
                                     out.data_ptr() % 16)
         block_m, block_n = _sum_tile(n_rows, n_cols, runtime.sm_count(partials.device))
-        runtime.launchable(_sum_partials_kernel, traced, plan)[(runtime.cdiv(n_cols, block_n),)](
+        grid = (runtime.cdiv(n_cols, block_n), slabs[0] if slabs else 1)
+        runtime.launchable(_sum_partials_kernel, traced, plan)[grid](
             partials, out, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out

@@ -4,7 +4,7 @@ forward and backward."""
 from .modules import LayerNorm, RMSNorm, patch_hf
 from .ops import layer_norm, residual_rms_norm, rms_norm, rms_norm_gated
 
-__version__ = "0.1.19"
+__version__ = "0.1.20"
 __all__ = [
     "LayerNorm",
     "RMSNorm",

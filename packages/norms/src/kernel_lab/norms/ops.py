@@ -660,9 +660,14 @@ def layer_norm_bwd(
         coop.launch(launch, *tensors, n_rows, n_cols, *ints[:-1], *_coop_arguments(n_rows, ints[-1], device, via_op))
     else:
         launch(*tensors, n_rows, n_cols, *ints)
+    if weight is not None and bias is not None and weight.dtype == bias.dtype and not via_op:
+        # both slabs in one launch (dweight's first): the two gradients are rows of one (2, n_cols)
+        # tensor. (Not in the custom op, whose outputs may not alias each other.)
+        dw, db = partial_sums.sum_partials(partial, weight.dtype).unbind(0)
+        return dx, dw, db
     dw_partial = db_partial = partial
     if weight is not None and bias is not None:
-        dw_partial, db_partial = partial  # one slab each, dweight's first
+        dw_partial, db_partial = partial.unbind(0)  # one slab each, dweight's first
     dw = None if weight is None else partial_sums.sum_partials(dw_partial, weight.dtype, via_op)
     db = None if bias is None else partial_sums.sum_partials(db_partial, bias.dtype, via_op)
     return dx, dw, db
