@@ -106,7 +106,11 @@ RESIDUAL_RMS_BWD = _BwdPlan(8, 4096, 32)  # + du
 # A later H200 sweep of nine plans (kernel launches back to back, bf16, 2**26 elements): 215 against
 # 246 us at 32768 x 2048, level at 16384 x 4096 (248 us) and 8192 x 8192 (300-303 us), where the
 # kernel stays at about 2.2-2.7 TB/s whatever the plan (not profiled further: it is the one
-# variant that evaluates a sigmoid per element, on both of its passes over the row).
+# variant that evaluates a sigmoid per element, on both of its passes over the row). Tried and
+# dropped: one pass, its terms held in registers across the row's dot (no second load of the three
+# tiles, no second sigmoid): level (H200, CUDA-graph replays of the launcher alternated over five
+# rounds, scratch, 2026-11-28: 208.3 / 211.4 / 218.9 us against 208.4 / 211.6 / 218.9 at 2048 /
+# 4096 / 8192 columns, 3.1-3.2 TB/s), so that work is not what holds the kernel below the copy rate.
 GATED_RMS_BWD = _BwdPlan(16, 2048, 32)
 # Long rows of the residual and gated variants: 32 values a thread in 16384-element programs (two
 # 8192-column rows, or one 16384-column row, over 16 warps), 16 warps per SM. H200 sweep (scratch
