@@ -967,12 +967,12 @@ TMA_CONFIGS = [
 # 128x128 list (flattened, as the bf16 configs are); without the promotion (torch's fast
 # accumulation, 3x the error) 128x256 tiles took 768 / 399 us.
 # The same tiles with 3 stages are gone from the list: never faster, and the autotuner's timings of
-# the two are close enough that it picked 3 stages in half of its re-tunes, 1.4-8% slower (H200
-# scratch, three re-tunes a shape: 8192^3 1130 against 1047 us, 4096x14336x4096 row-scaled 499
+# the two are close enough that it picked 3 stages in 6 of 12 tunings, 1.4-8% slower (H200
+# scratch, four tunings a shape: 8192^3 1130 against 1047 us, 4096x14336x4096 row-scaled 499
 # against 466). Also tried there and dropped: Triton 3.6's warp specialization on Hopper
-# (tl.range(..., warp_specialize=True)), 1020 against 1031 us at 8192^3, 465 against 467 at
-# 4096x14336x4096; the promotion written out as a fresh product per K tile added in float32, 1135-1173
-# us, or two in flight, out of shared memory past 2 stages.
+# (tl.range(..., warp_specialize=True)), 1020 against 1024 us at 8192^3, 465 against 463 at
+# 4096x14336x4096; the promotion written out as a fresh product per K tile added in float32,
+# 1135-1173 us at 8192^3, or two in flight, out of shared memory past 2 stages.
 FP8_TMA_CONFIGS = [
     _tma_cfg(256, 128, 128, 4, 8, True, flatten=False),
     _tma_cfg(128, 256, 128, 3, 8, True),
