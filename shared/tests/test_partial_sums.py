@@ -41,12 +41,17 @@ def test_sum_partials_of_no_rows_is_zero(kernel_device):
 @pytest.mark.interpret
 @pytest.mark.parametrize("n_slabs, n_rows, n_cols", [(2, 33, 65), (3, 1, 200), (2, 0, 9)])
 def test_sum_partials_sums_each_slab(kernel_device, seed, n_slabs, n_rows, n_cols):
-    """(n_slabs, n_rows, n_cols) partials in one launch: each slab's column sums, as the 2-D call
-    on that slab alone gives them (the same kernel and tiles: equal bit for bit)."""
+    """(n_slabs, n_rows, n_cols) partials in one launch: each slab's column sums against float64
+    (the budget of test_sum_partials_matches_float64_sums), and equal bit for bit to the 2-D call
+    on that slab alone (the same kernel and tiles)."""
     gen = torch.Generator(kernel_device).manual_seed(seed)
     partials = torch.randn((n_slabs, n_rows, n_cols), device=kernel_device, generator=gen)
     out = partial_sums.sum_partials(partials, torch.bfloat16)
     assert out.shape == (n_slabs, n_cols) and out.dtype == torch.bfloat16
+    exact = partials.double().sum(1)
+    budget = (n_rows * torch.finfo(torch.float32).eps * partials.double().abs().sum(1)
+              + exact.abs() * torch.finfo(torch.bfloat16).eps)
+    assert (out.double() - exact).abs().le(budget).all(), f"{(out.double() - exact).abs().max()} > budget"
     for slab in range(n_slabs):
         assert torch.equal(out[slab], partial_sums.sum_partials(partials[slab].contiguous(), torch.bfloat16))
 
