@@ -53,9 +53,9 @@ def test_rms_norm_linear_reference_backend(seed):
 @pytest.mark.interpret
 # (1, 30): the one-row GEMV; (2, 30): one 32-column tile, which the interpreter's decode plan
 # splits over K (two splits, the x^2 program and the reduce); (5, 50): two tiles, no split (x^2
-# summed on the tensor cores, SSQ_BY_DOT); (17, 50): the split path past that kernel's M range;
-# (70, 50): the prefill path
-@pytest.mark.parametrize("m,n", [(1, 30), (2, 30), (5, 50), (17, 50), (70, 50)])
+# summed on the tensor cores, SSQ_BY_DOT); (17, 50) and (64, 30): the normalised rows, then the
+# decode GEMM (unsplit, split); (70, 50): the prefill path
+@pytest.mark.parametrize("m,n", [(1, 30), (2, 30), (5, 50), (17, 50), (64, 30), (70, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, n, with_bias):
     x = testing.randn(m, 96, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
@@ -119,8 +119,8 @@ def test_rms_norm_linear_strided_batched_input_and_module(kernel_device, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "m,dtype", [(1, torch.bfloat16), (16, torch.bfloat16), (16, torch.float16), (64, torch.bfloat16),
-                (512, torch.bfloat16)],
+    "m,dtype", [(1, torch.bfloat16), (16, torch.bfloat16), (16, torch.float16), (33, torch.float16),
+                (64, torch.bfloat16), (512, torch.bfloat16)],
 )  # fmt: skip
 def test_rms_norm_linear_llama_shapes(seed, dtype, m):
     n, k = 6144, 4096

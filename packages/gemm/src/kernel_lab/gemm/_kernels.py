@@ -706,6 +706,29 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
+def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_xm, stride_xk, eps, BLOCK_K: tl.constexpr):
+    """y[row] = x[row] / sqrt(mean(x[row]^2) + eps) * g, float32 math rounded to y's dtype, one
+    program a row; y (M, K) contiguous. rms_norm_linear's first launch at M of 17-64 (see
+    ops.RMS_NORM_LINEAR_ROWS_MIN_M): the normalised rows, rounded as the unfused pair rounds
+    them, then the plain decode GEMM. The second pass reads the row again from L1 / L2."""
+    eps = tl.cast(eps, tl.float32)  # see FLOAT_ARGUMENTS_NOTE
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    y_row = y_ptr + row * K
+    offs = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        v = tl.load(x_row + (k + offs) * stride_xk, mask=k + offs < K, other=0.0).to(tl.float32)
+        acc += v * v
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+    for k in range(0, K, BLOCK_K):
+        mask = k + offs < K
+        v = tl.load(x_row + (k + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + k + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + k + offs, (v * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _split_sum_of_squares(x_ptr, ssq_ptr, M, K, stride_xm, stride_xk, stride_ssq, K_PER_SPLIT,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row ssq_ptr[split] = sum over this split's K range of x^2, for the rows 0..M-1 of x (one
@@ -744,10 +767,11 @@ def _rms_norm_linear_kernel(
     exist in memory.
     - Without split-K (prefill) each program also sums x^2 over the x tiles it loads and forms
       its rows' rstd in the epilogue.
-    - With split-K (WRITE_PARTIAL, the decode path, also for a split of 1) the grid has one
-      more program per split, the last of axis 0, which only sums x^2 over the split's K range;
-      the reduce kernel forms rstd. Summing x^2 inside every weight-streaming program's loop
-      made the loop 1.7x slower on an H200 (M = 16, N = 6144: 26-28 us against 16 without it).
+    - With split-K (WRITE_PARTIAL: M <= 16 where the decode plan splits K; see
+      ops.RMS_NORM_LINEAR_ROWS_MIN_M for larger M) the grid has one more program per split, the
+      last of axis 0, which only sums x^2 over the split's K range; the reduce kernel forms
+      rstd. Summing x^2 inside every weight-streaming program's loop made the loop 1.7x slower
+      on an H200 (M = 16, N = 6144: 26-28 us against 16 without it).
     - SSQ_BY_DOT (decode, M <= 16, no split: ops.RMS_NORM_LINEAR_DOT_SSQ_MAX_M) each program
       sums x^2 on the tensor cores: a second product x @ x^T per K step, whose diagonal is
       the rows' x^2 sums (the products of 16-bit values are exact, the sums float32). x stays

@@ -52,6 +52,7 @@ from ._kernels import (
     _rms_norm_linear_kernel_decode,
     _rms_norm_linear_kernel_prefill,
     _rms_norm_linear_kernel_skinny,
+    _rms_norm_rows_kernel,
     _splitk_reduce_kernel,
     _tma_block_shapes,
     _weight_only_decode_kernel,
@@ -76,11 +77,27 @@ SKINNY_MAX_M = 64
 SKINNY_BLOCK_N = 64
 SKINNY_MIN_BLOCK_N = 32
 SPLIT_PROGRAMS_PER_SM = 0.5
-# rms_norm_linear at M of 17 to 64 keeps 128-column tiles and one wave of programs: its x^2
-# sums run in one extra program per K split, which unsplit is the critical path (H200, M = 64,
-# N 6144: 31.4 us on the plan above against 22.1 with 128 columns and split 2).
-RMS_NORM_LINEAR_WIDE_BLOCK_N = 128
-RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM = 1.0
+# rms_norm_linear at M of 17 to 64 (and at most SKINNY_MAX_M): two launches, the normalised rows
+# (_rms_norm_rows_kernel, rounded to x's dtype as the unfused pair rounds them) and then the
+# plain decode GEMM (its plan above). The fused kernel there multiplies each x tile by the norm
+# weight in registers on its way to the tensor cores, once per output tile: with 64 rows that
+# is as much work per step as the weight tile's, and the plain loop streams x by asynchronous
+# copies instead. H200, bf16, CUDA-graph replays over rotated weight copies, five alternated
+# rounds (scratch, 2026-11-28), us, two launches against the fused split-K path used before
+# (128-column tiles, one wave of programs, an x^2 program per split and the reduce), the plain
+# GEMM alone and torch.compile of the pair:
+#   M = 64: 6144x4096 19.5 / 22.1 / 17.3 / 18.6; 4096x4096 14.6 / 16.0 / 12.6 / 14.1;
+#           14336x4096 36.4 / 39.3 / 33.6 / 36.7; 4096x14336 37.8 / 38.0 / 33.8 / 41.3;
+#   M = 32: 18.8 / 21.6 / 16.5 / 18.6; 13.6 / 14.7 / 12.2 / 14.6; 35.0 / 38.5 / 32.5 / 35.4;
+#           35.5 / 37.3 / 32.0 / 38.3.
+# (Tried there and slower: one launch on the GEMM's own decode plan, M more programs summing
+# one row's x^2 each and publishing it as kernel_lab.shared.coop's words, the output tiles
+# reading them after their K loop: M = 64 23.3 / 20.1 / 41.1 / 49.8 us, M = 32 22.3 / 17.8 /
+# 38.6 / 47.0, against the fused path's 22.3 / 16.0 / 39.8 / 38.8 and 21.7 / 14.9 / 38.9 / 37.9
+# in that run. The x-times-weight work per output tile stays, and with K = 14336 the x^2
+# programs, whose loads queue behind the weight stream, finish after the tiles.)
+RMS_NORM_LINEAR_ROWS_MIN_M = 17
+RMS_NORM_ROWS_MAX_BLOCK_K = 8192  # columns a step of _rms_norm_rows_kernel: 8 warps, 32 values a thread
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
@@ -607,12 +624,23 @@ def rms_norm_linear_fwd(
     be = runtime.backend(x)
     if be == "reference" or k == 0:
         return reference.rms_norm_linear(x, norm_weight, weight, eps, bias, compute_dtype=torch.float32).to(x.dtype)
+    g = norm_weight.contiguous()
+    if RMS_NORM_LINEAR_ROWS_MIN_M <= m <= SKINNY_MAX_M and n > 0:
+        normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        block_k = min(runtime.next_power_of_2(k), RMS_NORM_ROWS_MAX_BLOCK_K)
+        key = None if traced else (
+            "norm_rows", x.device, m, k, x.stride(0), x.stride(1), _tensor_key(x), _tensor_key(g)
+        )
+        runtime.launchable(_rms_norm_rows_kernel, traced, key)[(m,)](
+            x, g, normed, k, x.stride(0), x.stride(1), eps,
+            BLOCK_K=block_k, num_warps=max(4, min(16, block_k // 1024)),
+        )
+        return matmul_fwd(normed, weight.t(), bias, "none", x.dtype, allow_tma=False, traced=traced)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return c
     interpret = be == "triton-interpret"
     b = weight.t()
-    g = norm_weight.contiguous()
     bias_arg = c if bias is None else bias
     if m == 1 and weight.stride(1) == 1:
         _gemv(x, weight, c, norm_weight=g, eps=eps, bias=bias, interpret=interpret, traced=traced)
@@ -637,8 +665,7 @@ def rms_norm_linear_fwd(
             )
             return c
     if m <= SKINNY_MAX_M:
-        wide = dict(block_n=RMS_NORM_LINEAR_WIDE_BLOCK_N, programs_per_sm=RMS_NORM_LINEAR_WIDE_PROGRAMS_PER_SM)
-        plan = _skinny_plan(m, n, k, x.device, k_align, **(wide if m > 16 else {}))
+        plan = _skinny_plan(m, n, k, x.device, k_align)
         split = plan.split_k
         # always split-K here, even for a split of 1: the kernel's extra program per split sums
         # x^2 (see _rms_norm_linear_kernel) and the reduce forms rstd
