@@ -66,6 +66,17 @@ def test_rms_norm_linear_matches_unfused_reference(kernel_device, seed, m, n, wi
 
 
 @pytest.mark.interpret
+def test_rms_norm_linear_rows_longer_than_one_step(kernel_device, seed, monkeypatch):
+    """The normalised-rows launch (M of 17-64) on rows longer than its step: read twice."""
+    monkeypatch.setattr(ops, "RMS_NORM_ROWS_MAX_BLOCK_K", 64)
+    x = testing.randn(20, 200, dtype=torch.float16, device=kernel_device, seed=seed, scale=4.0)
+    x = x[:, 3:].t().contiguous().t()  # column-major, odd K
+    g = testing.randn(197, dtype=torch.float16, device=kernel_device, seed=seed + 1)
+    w = testing.randn(40, 197, dtype=torch.float16, device=kernel_device, seed=seed + 2, scale=0.1)
+    check(x, g, w, 1e-5)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rms_norm_linear_one_row_gemv(kernel_device, seed, dtype):
     """M = 1 runs the GEMV (no tensor cores, so bfloat16 runs under the interpreter too): K

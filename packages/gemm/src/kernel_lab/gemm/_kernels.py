@@ -706,26 +706,35 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_xm, stride_xk, eps, BLOCK_K: tl.constexpr):
+def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_xm, stride_xk, eps, BLOCK_K: tl.constexpr,
+                          ONE_STEP: tl.constexpr):
     """y[row] = x[row] / sqrt(mean(x[row]^2) + eps) * g, float32 math rounded to y's dtype, one
     program a row; y (M, K) contiguous. rms_norm_linear's first launch at M of 17-64 (see
     ops.RMS_NORM_LINEAR_ROWS_MIN_M): the normalised rows, rounded as the unfused pair rounds
-    them, then the plain decode GEMM. The second pass reads the row again from L1 / L2."""
+    them, then the plain decode GEMM. ONE_STEP (K <= BLOCK_K): the row stays in registers from
+    load to store; longer rows are read a second time (from L2) for the store."""
     eps = tl.cast(eps, tl.float32)  # see FLOAT_ARGUMENTS_NOTE
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     y_row = y_ptr + row * K
     offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        v = tl.load(x_row + (k + offs) * stride_xk, mask=k + offs < K, other=0.0).to(tl.float32)
-        acc += v * v
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
-    for k in range(0, K, BLOCK_K):
-        mask = k + offs < K
-        v = tl.load(x_row + (k + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + k + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + k + offs, (v * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+    if ONE_STEP:
+        mask = offs < K
+        v = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps)
+        tl.store(y_row + offs, (v * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            v = tl.load(x_row + (k + offs) * stride_xk, mask=k + offs < K, other=0.0).to(tl.float32)
+            acc += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+        for k in range(0, K, BLOCK_K):
+            mask = k + offs < K
+            v = tl.load(x_row + (k + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + k + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + k + offs, (v * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

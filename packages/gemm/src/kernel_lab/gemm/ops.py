@@ -97,7 +97,9 @@ SPLIT_PROGRAMS_PER_SM = 0.5
 # in that run. The x-times-weight work per output tile stays, and with K = 14336 the x^2
 # programs, whose loads queue behind the weight stream, finish after the tiles.)
 RMS_NORM_LINEAR_ROWS_MIN_M = 17
-RMS_NORM_ROWS_MAX_BLOCK_K = 8192  # columns a step of _rms_norm_rows_kernel: 8 warps, 32 values a thread
+# Columns a step of _rms_norm_rows_kernel, which holds rows of at most this many in registers
+# (16 warps, 32 values a thread; 14336 fits, Llama-3-8B's down projection).
+RMS_NORM_ROWS_MAX_BLOCK_K = 16384
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
@@ -633,7 +635,7 @@ def rms_norm_linear_fwd(
         )
         runtime.launchable(_rms_norm_rows_kernel, traced, key)[(m,)](
             x, g, normed, k, x.stride(0), x.stride(1), eps,
-            BLOCK_K=block_k, num_warps=max(4, min(16, block_k // 1024)),
+            BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=max(4, min(16, block_k // 1024)),
         )
         return matmul_fwd(normed, weight.t(), bias, "none", x.dtype, allow_tma=False, traced=traced)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
