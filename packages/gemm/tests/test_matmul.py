@@ -373,6 +373,8 @@ def test_registered_ops_pass_opcheck(seed, monkeypatch, kernel_device):
     g = testing.randn(32, dtype=dt, device=kernel_device, seed=seed + 4)
     w = testing.randn(24, 32, dtype=dt, device=kernel_device, seed=seed + 5)
     torch.library.opcheck(torch.ops.kernel_lab.gemm_rms_norm_linear.default, (x, g, w, None, 1e-6))
+    x20 = testing.randn(20, 32, dtype=dt, device=kernel_device, seed=seed + 6)  # the normalised-rows path
+    torch.library.opcheck(torch.ops.kernel_lab.gemm_rms_norm_linear.default, (x20, g, w, bias.detach(), 1e-6))
     if kernel_device == "cuda" and runtime.device_info().capability >= (8, 9):
         xq, sx = quantize_fp8(x.float(), "row")
         wq, sw = quantize_fp8(w.float(), "row")

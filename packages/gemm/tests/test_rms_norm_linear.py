@@ -148,8 +148,8 @@ def test_rms_norm_linear_llama_shapes(seed, dtype, m):
 def test_rms_norm_linear_torch_compile_fullgraph(dynamic, seed):
     torch._dynamo.reset()
     fn = torch.compile(lambda x, g, w: rms_norm_linear(x, g, w), fullgraph=True, dynamic=dynamic)
-    # new M (decode, then prefill sized), then new N and K
-    for i, (m, n, k) in enumerate([(16, 256, 512), (5, 256, 512), (300, 256, 512), (16, 384, 320)]):
+    # new M (decode, then the normalised-rows path, then prefill sized), then new N and K
+    for i, (m, n, k) in enumerate([(16, 256, 512), (5, 256, 512), (40, 256, 512), (300, 256, 512), (16, 384, 320)]):
         x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + i)
         g = testing.randn(k, dtype=torch.bfloat16, device="cuda", seed=seed + i + 1)
         w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + i + 2)
