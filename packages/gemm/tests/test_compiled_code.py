@@ -192,8 +192,7 @@ FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)
         dict(HAS_BIAS=False, WRITE_PARTIAL=False, SSQ_BY_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
     ),
     "_rms_norm_rows_kernel": (
-        dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16"), ("eps",),
-        dict(BLOCK_K=4096, ONE_STEP=True, LAUNCH_DEPENDENTS=True),
+        dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16"), ("eps",), dict(BLOCK_K=4096, ONE_STEP=True),
     ),
     "_gemv_kernel": (
         dict(x_ptr="*bf16", w_ptr="*bf16", scales_ptr="*bf16", zeros_ptr="*u8", g_ptr="*bf16", c_ptr="*bf16",

@@ -12,7 +12,6 @@ only large operand, streams from HBM.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # FLOAT_ARGUMENTS_NOTE: inductor passes a Python float argument (eps, 1/K) to a user kernel as
 # float64, where an eager launch passes float32; a float64 rstd would promote the epilogue's
@@ -143,13 +142,6 @@ def _store_partial(acc, ws_ptr, pid_k, offs_m, offs_n, M, N, stride_ws, stride_w
 _DNS = ["M", "M_BUCKET"]
 
 
-@triton.jit
-def _prefetch_to_l2(ptrs):
-    """Ask L2 to fetch the lines at `ptrs` (a hint: no registers, no wait)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=_DNS)
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr,  # c: the output, or the float32 split-K workspace (WRITE_PARTIAL)
@@ -163,23 +155,11 @@ def _matmul_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WAIT_PRIOR: tl.constexpr = False,  # launched dependent on the kernel before (see below)
-    PREFETCH_K: tl.constexpr = 0,  # with WAIT_PRIOR: b columns asked of L2 before the wait
 ):
-    """c = act((a @ b) * scale_a * scale_b + bias) for float16 / bfloat16 / float8 a and b.
-
-    WAIT_PRIOR: launched as a programmatic dependent launch (launch_pdl) after a kernel that
-    writes a and lets it start early (rms_norm_linear's normalised rows): the program starts
-    while that kernel runs, asks L2 for the first PREFETCH_K columns of its b tile (b K-major:
-    unit stride along K; they do not depend on that kernel), then waits for it (gdc_wait)."""
+    """c = act((a @ b) * scale_a * scale_b + bias) for float16 / bfloat16 / float8 a and b."""
     _, pid_k, offs_m, offs_n, offs_am, offs_bn, k_start, k_len = _split_k_tile(
         M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
     )
-    if WAIT_PRIOR:
-        if PREFETCH_K > 0:
-            lines = k_start + tl.arange(0, PREFETCH_K // 64) * 64  # one 128-byte line of 16-bit b each
-            _prefetch_to_l2(b_ptr + tl.minimum(lines, K - 1)[:, None].to(tl.int64) + offs_bn[None, :] * stride_bn)
-        gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
@@ -727,14 +707,12 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_xm, stride_xk, eps, BLOCK_K: tl.constexpr,
-                          ONE_STEP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+                          ONE_STEP: tl.constexpr):
     """y[row] = x[row] / sqrt(mean(x[row]^2) + eps) * g, float32 math rounded to y's dtype, one
     program a row; y (M, K) contiguous. rms_norm_linear's first launch at M of 17-64 (see
     ops.RMS_NORM_LINEAR_ROWS_MIN_M): the normalised rows, rounded as the unfused pair rounds
     them, then the plain decode GEMM. ONE_STEP (K <= BLOCK_K): the row stays in registers from
     load to store; longer rows are read a second time (from L2) for the store."""
-    if LAUNCH_DEPENDENTS:  # the GEMM's programs may start now (their wait covers this kernel's writes)
-        gdc_launch_dependents()
     eps = tl.cast(eps, tl.float32)  # see FLOAT_ARGUMENTS_NOTE
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm

@@ -100,18 +100,6 @@ RMS_NORM_LINEAR_ROWS_MIN_M = 17
 # Columns a step of _rms_norm_rows_kernel, which holds rows of at most this many in registers
 # (16 warps, 32 values a thread; 14336 fits, Llama-3-8B's down projection).
 RMS_NORM_ROWS_MAX_BLOCK_K = 16384
-# The decode GEMM after the rows kernel is a programmatic dependent launch (CUDA, Hopper on; not
-# under torch.compile, whose launches of user kernels take no launch_pdl): the rows kernel lets
-# it start at once, and its programs ask L2 for the first PDL_PREFETCH_K columns of their weight
-# tile (one 128-byte line a weight row) before waiting for the rows. Only where its output tiles
-# fit one wave (at most one program an SM). H200, bf16, same method as above (nine alternated
-# rounds), us, without / PDL and the wait alone / with that prefetch: M = 64 6144x4096 19.09 /
-# 18.73 / 18.35, 4096x4096 13.71 / 13.41 / 13.00, 14336x4096 35.87 / 35.83 / 35.28, 4096x14336
-# 37.82 / 37.46 / 36.81; M = 32 18.26 / 17.88 / 17.16, 13.41 / 12.95 / 12.61, 4096x14336 35.61 /
-# 35.03 / 34.26, but 14336x4096 (224 tiles on 132 SMs) 35.04 / 37.94 / 37.21, hence the one-wave
-# rule. Prefetching 1024 or 2048 columns a row was slower than 64 everywhere (the first run:
-# M = 64 6144x4096 19.01 / 20.56 us against 18.43).
-PDL_PREFETCH_K = 64
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
@@ -430,7 +418,6 @@ def matmul_fwd(
     scale_b: torch.Tensor | None = None,
     allow_tma: bool = True,
     traced: bool = False,
-    after_prior: bool = False,
 ) -> torch.Tensor:
     """Launcher: act((a @ b) * scale_a * scale_b + bias) -> (M, N) of out_dtype.
 
@@ -438,9 +425,6 @@ def matmul_fwd(
     (1, N) (fp8 only). allow_tma: on Hopper, prefill shapes with TMA-compatible layouts run the
     persistent TMA kernel (host tensor descriptors: eager mode only; the torch.library op
     passes False). traced: True only inside the triton_op bodies (see runtime.launchable).
-    after_prior: the kernel queued just before this call writes a and let this one start early
-    (gdc_launch_dependents): an unsplit decode launch then prefetches its weight tiles while it
-    runs (PDL_PREFETCH_K); other launches ignore it.
     """
     m, k = a.shape
     n = b.shape[1]
@@ -471,12 +455,10 @@ def matmul_fwd(
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
-        if after_prior and _pdl_prefetch(interpret, traced, plan, m, n, b, a.device):
-            extra.update(WAIT_PRIOR=True, PREFETCH_K=PDL_PREFETCH_K, launch_pdl=True)
         key = None if traced else (
             "skinny", a.device, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _tensor_key(a),
             _tensor_key(b), _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b), stride_sa, stride_sb,
-            out_dtype, activation, extra.get("WAIT_PRIOR", False), extra.get("PREFETCH_K", 0),
+            out_dtype, activation,
         )
         runtime.launchable(kernel, traced, key)[plan.grid(m, n)](
             a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
@@ -502,20 +484,6 @@ def matmul_fwd(
     tuned = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
     _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, **common)
     return c
-
-
-def _pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): CUDA devices of compute capability 9.0 on."""
-    return device.type == "cuda" and runtime.device_info(device.index).capability >= (9, 0)
-
-
-def _pdl_prefetch(interpret: bool, traced: bool, plan, m: int, n: int, b: torch.Tensor,
-                  device: torch.device) -> bool:
-    """Whether a decode launch after rms_norm_linear's rows kernel runs as a programmatic dependent
-    launch that prefetches its weight tiles (PDL_PREFETCH_K): eager, unsplit, one wave of tiles,
-    a K-major 16-bit weight."""
-    return (not interpret and not traced and plan.split_k == 1 and b.stride(0) == 1 and b.element_size() == 2
-            and plan.grid(m, n)[0] <= runtime.sm_count(device) and _pdl_capable(device))
 
 
 def _gemv(x, w, c, *, scales=None, zeros=None, norm_weight=None, eps=0.0, bias=None, activation="none",
@@ -662,16 +630,14 @@ def rms_norm_linear_fwd(
     if RMS_NORM_LINEAR_ROWS_MIN_M <= m <= SKINNY_MAX_M and n > 0:
         normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
         block_k = min(runtime.next_power_of_2(k), RMS_NORM_ROWS_MAX_BLOCK_K)
-        pdl = not traced and be == "triton" and _pdl_capable(x.device)
         key = None if traced else (
-            "norm_rows", x.device, m, k, x.stride(0), x.stride(1), _tensor_key(x), _tensor_key(g), pdl
+            "norm_rows", x.device, m, k, x.stride(0), x.stride(1), _tensor_key(x), _tensor_key(g)
         )
         runtime.launchable(_rms_norm_rows_kernel, traced, key)[(m,)](
             x, g, normed, k, x.stride(0), x.stride(1), eps,
-            BLOCK_K=block_k, ONE_STEP=block_k >= k, LAUNCH_DEPENDENTS=pdl, num_warps=max(4, min(16, block_k // 1024)),
+            BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=max(4, min(16, block_k // 1024)),
         )
-        return matmul_fwd(normed, weight.t(), bias, "none", x.dtype, allow_tma=False, traced=traced,
-                          after_prior=pdl)
+        return matmul_fwd(normed, weight.t(), bias, "none", x.dtype, allow_tma=False, traced=traced)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return c
