@@ -142,6 +142,26 @@ def test_rms_norm_linear_llama_shapes(seed, dtype, m):
 
 
 @pytest.mark.gpu
+def test_rms_norm_linear_normalised_rows_in_a_cuda_graph(seed):
+    """M of 17-64: the rows kernel and the GEMM that reads its rows captured in one graph, twice,
+    and replayed on new x: each output against the float64 reference."""
+    m, n, k = 48, 6144, 4096
+    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed, scale=3.0)
+    g = testing.randn(k, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 2, scale=k**-0.5)
+    rms_norm_linear(x, g, w)  # tuned before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [rms_norm_linear(x, g, w), rms_norm_linear(x, g, w)]
+    for i in range(3):
+        x.copy_(testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 10 + i, scale=3.0))
+        graph.replay()
+        for out in outs:
+            testing.assert_close_to_reference(out, reference.rms_norm_linear(x, g, w), unfused_baseline(x, g, w, 1e-6),
+                                              factor=FACTOR, name="rms_norm_linear, graph replay")
+
+
+@pytest.mark.gpu
 # dynamic=None is torch.compile's default: static sizes first, then (after a size change) the
 # changed dims become symbolic; dynamic=True traces symbolic sizes (and eps) from the first call.
 @pytest.mark.parametrize("dynamic", [None, True], ids=["auto-dynamic", "dynamic"])
