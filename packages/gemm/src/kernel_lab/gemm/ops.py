@@ -104,7 +104,7 @@ RMS_NORM_ROWS_MAX_BLOCK_K = 16384
 # rows kernel calling gdc_launch_dependents first, the GEMM's programs asking L2 for one line of
 # each of their weight rows and then gdc_wait). H200, same method, nine alternated rounds, us,
 # without / with: M = 64 19.09 / 18.35, 13.71 / 13.00, 35.87 / 35.28, 37.82 / 36.81 at the four
-# projections above; M = 32 18.26 / 17.16, 13.41 / 12.61, 34.26 against 35.61 at 4096x14336, but
+# projections above; M = 32 18.26 / 17.16, 13.41 / 12.61, 35.61 / 34.26 at 4096x14336, but
 # 35.04 / 37.21 at 14336x4096 (224 tiles on 132 SMs); the wait without the prefetch gained about
 # half as much, prefetching 1024-2048 columns lost. Benchmark run on that code: M = 64 18.4 us a
 # call, 1.27x the unfused pair. Two of the package's torch.compile tests failed in the one GPU
