@@ -108,7 +108,10 @@ RMS_NORM_ROWS_MAX_BLOCK_K = 16384
 # 35.04 / 37.21 at 14336x4096 (224 tiles on 132 SMs); the wait without the prefetch gained about
 # half as much, prefetching 1024-2048 columns lost. Benchmark run on that code: M = 64 18.4 us a
 # call, 1.27x the unfused pair. Two of the package's torch.compile tests failed in the one GPU
-# run of it and no device time was left to find out why, so it is not in this release.)
+# run of it and no device time was left to rerun it, so it is not in this release. The likely
+# cause, read afterwards in torch's triton_kernel_wrap.py (generate_ttir): a traced launch must
+# pass every kernel argument ("Incorrect number of arguments passed to kernel"), and the variant
+# gave _matmul_kernel two constexprs with default values that the traced launches left out.)
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
