@@ -51,11 +51,11 @@ def compile_for_sm90(fn, pointer_types, constexprs, num_warps, num_stages):
 CASES = {
     "prefill": ("_matmul_kernel", dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
                                        scale_a_ptr="*fp32", scale_b_ptr="*fp32"),
-                dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=False, BLOCK_M=128,
-                     BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1), 8, 3),
+                dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=False, PDL=0,
+                     BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1), 8, 3),
     "decode": ("_matmul_kernel", dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32", bias_ptr="*bf16",
                                       scale_a_ptr="*fp32", scale_b_ptr="*fp32"),
-               dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=True, BLOCK_M=16,
+               dict(HAS_BIAS=False, HAS_SCALE=False, ACTIVATION="none", WRITE_PARTIAL=True, PDL=1, BLOCK_M=16,
                     BLOCK_N=64, BLOCK_K=256, GROUP_M=1, stride_ak=1, stride_bk=1, stride_cn=1), 4, 3),
     "int8-decode": ("_weight_only_decode_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                        zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
@@ -87,6 +87,36 @@ def test_kernel_loads_are_pipelined_async_copies(case):
     if name == "_matmul_kernel":  # (the quantized kernel gathers its per-column bf16 scales)
         assert not re.search(r"ld\.global(?:\.[a-z0-9]+)*\.b16", ptx), "2-byte global loads of the operands"
 
+
+PDL_CASES = {  # decode kernels launched as programmatic dependent launches: (case or FLOAT_CASES name, prefetches)
+    "decode": True, "_gemv_kernel": True, "_rms_norm_rows_kernel": False,
+}
+
+
+@pytest.mark.parametrize("case,pdl", [(c, p) for c in PDL_CASES for p in (0, 1, 2) if p < 2 or c == "decode"])
+def test_pdl_launches_wait_for_the_kernel_before(case, pdl):
+    """As a programmatic dependent launch (PDL 1 or 2, ops._pdl) a decode kernel prefetches
+    its weight rows' first lines into L2 (the GEMMs), waits (griddepcontrol.wait) before its
+    first global load and lets the next kernel launch: at its start (1), after its K loop (2,
+    the skinny GEMM only); with 0 none of that is compiled in."""
+    from kernel_lab.gemm import _kernels
+
+    if case in CASES:
+        name, pointers, constexprs, num_warps, num_stages = CASES[case]
+    else:
+        name, (pointers, _, constexprs), num_warps, num_stages = case, FLOAT_CASES[case], 4, 1
+    ptx = compile_for_sm90(getattr(_kernels, name), pointers, {**constexprs, "PDL": pdl}, num_warps,
+                           num_stages).asm["ptx"]
+    assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl)
+    assert ("griddepcontrol.wait" in ptx) == bool(pdl)
+    assert ("prefetch.global.L2" in ptx) == (bool(pdl) and PDL_CASES[case])
+    if pdl:
+        wait = ptx.index("griddepcontrol.wait")
+        first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
+        assert wait < first_load, "a global load before griddepcontrol.wait"
+        # 1: the signal comes before the wait; 2: after the K loop's last asynchronous copy
+        signal = ptx.index("griddepcontrol.launch_dependents")
+        assert (signal < wait) if pdl == 1 else (signal > ptx.rindex("cp.async"))
 
 def test_relu_epilogue_keeps_nan():
     """relu(NaN) is NaN, as torch.relu: the epilogue's max must be max.NaN in the PTX (a plain
@@ -157,7 +187,8 @@ def test_gemv_loop_reduces_only_after_the_loop(w_type, has_zeros, has_norm):
     pointers = dict(x_ptr="*bf16", w_ptr=w_type, scales_ptr="*bf16", zeros_ptr="*u8", g_ptr="*bf16", c_ptr="*bf16",
                     bias_ptr="*bf16")
     constexprs = dict(HAS_SCALES=w_type != "*bf16", HAS_ZEROS=has_zeros, HAS_NORM=has_norm, HAS_BIAS=True,
-                      ACTIVATION="none", USE_PRMT=True, BLOCK_N=4, BLOCK_K=1024, stride_xk=1, stride_wk=1)
+                      ACTIVATION="none", USE_PRMT=True, PDL=1, BLOCK_N=4, BLOCK_K=1024, stride_xk=1,
+                      stride_wk=1)
     compiled = compile_for_sm90(_kernels._gemv_kernel, pointers, constexprs, 4, 1)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
     assert not any(i.startswith("SHFL") for i in loop), "a cross-thread reduction inside the K loop"
@@ -192,14 +223,14 @@ FLOAT_CASES = {  # kernel: (pointer types, its float arguments, constexprs)
         dict(HAS_BIAS=False, WRITE_PARTIAL=False, SSQ_BY_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1),
     ),
     "_rms_norm_rows_kernel": (
-        dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16"), ("eps",), dict(BLOCK_K=4096, ONE_STEP=True),
+        dict(x_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16"), ("eps",), dict(BLOCK_K=4096, ONE_STEP=True, PDL=1),
     ),
     "_gemv_kernel": (
         dict(x_ptr="*bf16", w_ptr="*bf16", scales_ptr="*bf16", zeros_ptr="*u8", g_ptr="*bf16", c_ptr="*bf16",
              bias_ptr="*bf16"),
         ("eps",),
         dict(HAS_SCALES=False, HAS_ZEROS=False, HAS_NORM=True, HAS_BIAS=False, ACTIVATION="none", USE_PRMT=True,
-             BLOCK_N=8, BLOCK_K=512),
+             PDL=0, BLOCK_N=8, BLOCK_K=512),
     ),
     "_splitk_reduce_kernel": (
         dict(ws_ptr="*fp32", c_ptr="*bf16", ssq_ptr="*fp32", bias_ptr="*bf16", scale_a_ptr="*fp32",

@@ -422,6 +422,52 @@ def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_pl
 
 
 @pytest.mark.gpu
+def test_decode_launches_are_dependent_launches_where_measured_faster():
+    """ops._pdl's choices on this GPU (see ops.DECODE_PDL): Hopper and newer only, never traced."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = runtime.sm_count(dev)
+    hopper = torch.cuda.get_device_capability(dev) >= (9, 0)
+    assert ops._pdl(dev, False, False) == (1 if hopper else 0)  # the GEMV and the rows kernel
+    assert ops._pdl(dev, False, False, 64, sms) == (1 if hopper else 0)
+    assert ops._pdl(dev, False, False, 64, 2 * sms) == (2 if hopper else 0)
+    assert ops._pdl(dev, False, False, 16, sms) == (2 if hopper else 0)
+    assert ops._pdl(dev, False, False, 32, sms + 1) == 0
+    assert ops._pdl(dev, False, True) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 48])
+def test_decode_chain_reads_what_the_launch_before_wrote(seed, m):
+    """Each decode launch reads the output of the one before (a chain of square GEMMs), eagerly
+    and replayed from a CUDA graph on new inputs: a dependent launch (ops.DECODE_PDL) that read
+    its input before the kernel writing it had finished would fail the float64 check of its
+    link (each link is checked on the input it was given)."""
+    k = 4096
+    ws = [testing.randn(k, k, dtype=torch.bfloat16, device="cuda", seed=seed + i, scale=k**-0.5) for i in range(4)]
+    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 10)
+
+    def chain():
+        outs = [x]
+        for w in ws:
+            outs.append(matmul(outs[-1], w.t()))
+        return outs
+
+    def check_links(outs):
+        for i, w in enumerate(ws):
+            check(outs[i + 1], outs[i], w.t(), name=f"link {i} of the decode chain")
+
+    check_links(chain())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for i in range(2):
+        x.copy_(testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 20 + i))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_links(outs)
+
+
+@pytest.mark.gpu
 def test_matmul_runs_on_the_operands_gpu_not_the_current_one(seed):
     """A model spread over GPUs (device_map="auto") calls with tensors on a non-current GPU."""
     if torch.cuda.device_count() < 2:

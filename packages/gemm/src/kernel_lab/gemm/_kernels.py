@@ -79,6 +79,26 @@ def _epilogue_store(
 
 
 @triton.jit
+def _pdl_start(w_row_ptrs, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """A decode kernel's start as a programmatic dependent launch (PDL > 0; ops.DECODE_PDL:
+    Hopper and newer, launched with launch_pdl=True). PDL = 1 lets the stream's next kernel
+    launch now, so that its programs take the SMs ours leave and run their prologue during our
+    tail (PDL = 2: the caller lets it after its K loop, see ops._pdl). With PREFETCH, ask L2 for
+    the 128-byte line at each of w_row_ptrs (the first line of each weight row the program
+    streams; a prefetch reads no values, so a write to them by the kernel before us still
+    wins). Then wait until the kernel before us has finished and its writes are visible: every
+    program reads and writes only after this, on every path (one that skipped the wait could
+    end before that kernel does)."""
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        if PREFETCH:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [w_row_ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of output tile `tile_id` in grouped order: GROUP_M row tiles walk the N
     tiles together so that the B tiles they share are still in L2 when the next row tile needs
@@ -154,12 +174,14 @@ def _matmul_kernel(
     K_PER_SPLIT,  # K range of one split, a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
+    PDL: tl.constexpr,  # 0, or a programmatic dependent launch (decode; see _pdl_start)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c = act((a @ b) * scale_a * scale_b + bias) for float16 / bfloat16 / float8 a and b."""
     _, pid_k, offs_m, offs_n, offs_am, offs_bn, k_start, k_len = _split_k_tile(
         M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M
     )
+    _pdl_start(b_ptr + k_start.to(tl.int64) * stride_bk + offs_bn * stride_bn, PDL, True)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk + offs_bn[None, :] * stride_bn
@@ -177,6 +199,8 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if PDL == 2:  # see _pdl_start
+        tl.extra.cuda.gdc_launch_dependents()
     if not WRITE_PARTIAL:
         _epilogue_store(
             acc, c_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
@@ -532,6 +556,7 @@ def _gemv_kernel(
     HAS_NORM: tl.constexpr,  # rms_norm_linear: x is RMS-normalised with the weight g first
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_PRMT: tl.constexpr,  # see _biased_code_floats
+    PDL: tl.constexpr,  # 0, or 1: a programmatic dependent launch (see _pdl_start)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c (N,) = act(rstd * ((x * g) @ w^T) * scale + bias) for one row x (K,) and a weight w
@@ -568,6 +593,7 @@ def _gemv_kernel(
     eps = tl.cast(eps, tl.float32)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_wn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
+    _pdl_start(w_ptr + offs_wn * stride_wn, PDL, True)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + tl.max_contiguous(offs_k, 8)[None, :] * stride_wk
     x_ptrs = x_ptr + offs_k[None, :] * stride_xk
@@ -707,13 +733,15 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_xm, stride_xk, eps, BLOCK_K: tl.constexpr,
-                          ONE_STEP: tl.constexpr):
+                          ONE_STEP: tl.constexpr, PDL: tl.constexpr):
     """y[row] = x[row] / sqrt(mean(x[row]^2) + eps) * g, float32 math rounded to y's dtype, one
     program a row; y (M, K) contiguous. rms_norm_linear's first launch at M of 17-64 (see
     ops.RMS_NORM_LINEAR_ROWS_MIN_M): the normalised rows, rounded as the unfused pair rounds
     them, then the plain decode GEMM. ONE_STEP (K <= BLOCK_K): the row stays in registers from
-    load to store; longer rows are read a second time (from L2) for the store."""
+    load to store; longer rows are read a second time (from L2) for the store. PDL (0 or 1): see
+    _pdl_start."""
     eps = tl.cast(eps, tl.float32)  # see FLOAT_ARGUMENTS_NOTE
+    _pdl_start(x_ptr, PDL, False)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     y_row = y_ptr + row * K

@@ -77,6 +77,29 @@ SKINNY_MAX_M = 64
 SKINNY_BLOCK_N = 64
 SKINNY_MIN_BLOCK_N = 32
 SPLIT_PROGRAMS_PER_SM = 0.5
+# Decode launches (the skinny GEMM, the one-row GEMV, rms_norm_linear's rows kernel) are
+# programmatic dependent launches on Hopper and newer (see _kernels._pdl_start and _pdl): a
+# decode step is a chain of small kernels, each paying a launch and a ramp to full bandwidth
+# (about 3.5 us a GEMM in a CUDA graph on the H200: 4096x4096 at M = 16, 33.5 MB, takes 11.8 us
+# against 8.2 at the copy bandwidth), and a dependent launch overlaps them with the tail of the
+# kernel before. H200, bf16, CUDA-graph replays of one call per rotated weight copy, nine
+# alternated rounds (scratch, 2026-11-29), us gained per call at N x K = 4096x4096 / 6144x4096 /
+# 14336x4096 / 4096x14336, letting the next kernel launch at the start (1) or after the K loop
+# (2):
+#   GEMV (M = 1)            1: +0.72 / +0.71 / +0.36 / +0.74   2: +0.62 / +0.70 / +0.58 / +0.73
+#   GEMM M = 64             1: +1.17 / +0.76 / -0.20 / +1.15   2: +0.40 / +0.45 / +0.66 / +0.45
+#   GEMM M = 16             1: -1.14 / -0.13 / -3.62 / -3.38   2: -0.35 / +0.49 / +0.42 / -0.61
+#   rms_norm_linear M = 64  1: +1.68 / +1.56 / +1.30 / +1.52   2: +1.74 / +1.58 / +1.34 / +1.66
+#   rms_norm_linear M = 32  1: +1.66 / +1.87 / -1.46 / +1.52   2: +1.39 / +1.69 / -2.06 / +1.66
+# At M <= 32 the GEMM's programs are small enough for two to share an SM, and a next GEMM let in
+# at the start lands its programs beside ours, unevenly; with M of 33-64 (64-row tiles) a
+# program holds an SM's shared memory and the next kernel's programs wait for SMs we leave.
+# More programs than SMs (14336x4096: 224 tiles) lost with 1 at M = 64 here and in a benchmark
+# run of it (history 0098: 33.3 -> 35.2 us a call, while 4096x4096 went 12.2 -> 11.4), and with
+# either at M = 32 (as in gemm 0.1.20's measurement of rms_norm_linear). Hence: the GEMV and the
+# rows kernel 1; 64-row tiles 1 in one wave of programs, else 2; smaller tiles 2 in one wave,
+# else no PDL. KERNEL_LAB_GEMM_PDL=0 turns it off.
+DECODE_PDL = os.environ.get("KERNEL_LAB_GEMM_PDL", "1") != "0"
 # rms_norm_linear at M of 17 to 64 (and at most SKINNY_MAX_M): two launches, the normalised rows
 # (_rms_norm_rows_kernel, rounded to x's dtype as the unfused pair rounds them) and then the
 # plain decode GEMM (its plan above). The fused kernel there multiplies each x tile by the norm
@@ -100,18 +123,11 @@ RMS_NORM_LINEAR_ROWS_MIN_M = 17
 # Columns a step of _rms_norm_rows_kernel, which holds rows of at most this many in registers
 # (16 warps, 32 values a thread; 14336 fits, Llama-3-8B's down projection).
 RMS_NORM_ROWS_MAX_BLOCK_K = 16384
-# (Measured and not shipped: the decode GEMM as a programmatic dependent launch (launch_pdl; the
-# rows kernel calling gdc_launch_dependents first, the GEMM's programs asking L2 for one line of
-# each of their weight rows and then gdc_wait). H200, same method, nine alternated rounds, us,
-# without / with: M = 64 19.09 / 18.35, 13.71 / 13.00, 35.87 / 35.28, 37.82 / 36.81 at the four
-# projections above; M = 32 18.26 / 17.16, 13.41 / 12.61, 35.61 / 34.26 at 4096x14336, but
-# 35.04 / 37.21 at 14336x4096 (224 tiles on 132 SMs); the wait without the prefetch gained about
-# half as much, prefetching 1024-2048 columns lost. Benchmark run on that code: M = 64 18.4 us a
-# call, 1.27x the unfused pair. Two of the package's torch.compile tests failed in the one GPU
-# run of it and no device time was left to rerun it, so it is not in this release. The likely
-# cause, read afterwards in torch's triton_kernel_wrap.py (generate_ttir): a traced launch must
-# pass every kernel argument ("Incorrect number of arguments passed to kernel"), and the variant
-# gave _matmul_kernel two constexprs with default values that the traced launches left out.)
+# Both launches are programmatic dependent launches on Hopper (DECODE_PDL): M = 64 at the four
+# projections above went 19.66 / 15.14 / 36.15 / 38.01 -> 18.10 / 13.46 / 34.85 / 36.49 us.
+# (gemm 0.1.20 measured this and left it out: two torch.compile tests failed in its one GPU run.
+# The cause: a traced launch must name every kernel argument, and that variant's PDL constexprs
+# had defaults the traced launches left out; here every launch passes PDL.)
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
@@ -213,6 +229,27 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     """A tensor argument's part of a launch-plan key: its dtype and 16-byte alignment (None when
     absent: the launcher then passes a fresh tensor in its place)."""
     return None if t is None else (t.dtype, t.data_ptr() % 16)
+
+
+def _pdl(device: torch.device, interpret: bool, traced: bool, block_m: int = SKINNY_MAX_M, programs: int = 0) -> int:
+    """The PDL constexpr of a decode launch on `device` (see DECODE_PDL): 0 for a plain launch,
+    1 for a dependent launch that lets the next kernel launch at once, 2 for one that lets it
+    launch after the K loop. Eager launches on Hopper and newer only (griddepcontrol is sm_90
+    PTX; a traced launch, inside a triton_op, is made by torch's wrapper, which passes no
+    launch options). block_m / programs: the skinny GEMM's tile rows and grid size (the GEMV and
+    the rows kernel take the defaults)."""
+    if not DECODE_PDL or interpret or traced or runtime.device_info(device.index).capability < (9, 0):
+        return 0
+    one_wave = programs <= runtime.sm_count(device)
+    if block_m >= SKINNY_MAX_M:
+        return 1 if one_wave else 2
+    return 2 if one_wave else 0
+
+
+def _pdl_args(pdl: int) -> dict:
+    """The PDL constexpr, passed on every launch (a traced launch must name every argument),
+    and Triton's launch option when set."""
+    return dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=0)
 
 
 @dataclass(frozen=True)
@@ -467,16 +504,19 @@ def matmul_fwd(
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=a.device)
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
+        tiles, splits = plan.grid(m, n)
+        pdl = _pdl(a.device, interpret, traced, plan.block_m, tiles * splits)
         key = None if traced else (
             "skinny", a.device, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _tensor_key(a),
             _tensor_key(b), _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b), stride_sa, stride_sb,
-            out_dtype, activation,
+            out_dtype, activation, pdl,
         )
         runtime.launchable(kernel, traced, key)[plan.grid(m, n)](
             a, b, ws, bias_arg, sa, sb, m, n, k, _m_bucket(m),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), ws.stride(-2), ws.stride(-1),
             stride_sa, stride_sb, ws.stride(0) if plan.split_k > 1 else 0, plan.k_per_split,
             WRITE_PARTIAL=plan.split_k > 1, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **extra, **common,
+            **_pdl_args(pdl),
         )
         if plan.split_k > 1:
             _reduce(ws, c, bias=bias, scale_a=scale_a, scale_b=scale_b, activation=activation, traced=traced)
@@ -494,7 +534,7 @@ def matmul_fwd(
         except Exception as e:  # a triton / driver that cannot build it: fall back, once and for good
             _disable_tma(e)
     tuned = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
-    _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, **common)
+    _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, PDL=False, **common)
     return c
 
 
@@ -513,17 +553,18 @@ def _gemv(x, w, c, *, scales=None, zeros=None, norm_weight=None, eps=0.0, bias=N
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]),)
 
+    pdl = _pdl(x.device, interpret, traced)
     key = None if traced else (
         "gemv", x.device, n, k, x.stride(1), w.stride(0), w.stride(1), _tensor_key(x), _tensor_key(w),
         _tensor_key(scales), None if scales is None else scales.stride(0), _tensor_key(zeros),
-        _tensor_key(norm_weight), _tensor_key(bias), c.dtype, activation,
+        _tensor_key(norm_weight), _tensor_key(bias), c.dtype, activation, pdl,
     )
     runtime.launchable(kernel, traced, key)[grid](
         x, w, c if scales is None else scales, c if zeros is None else zeros,
         c if norm_weight is None else norm_weight, c, c if bias is None else bias,
         n, k, x.stride(1), w.stride(0), w.stride(1), 0 if scales is None else scales.stride(0), c.stride(1), eps,
         HAS_SCALES=scales is not None, HAS_ZEROS=zeros is not None, HAS_NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, ACTIVATION=activation, USE_PRMT=not interpret, **meta,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, USE_PRMT=not interpret, **meta, **_pdl_args(pdl),
     )
 
 
@@ -642,12 +683,13 @@ def rms_norm_linear_fwd(
     if RMS_NORM_LINEAR_ROWS_MIN_M <= m <= SKINNY_MAX_M and n > 0:
         normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
         block_k = min(runtime.next_power_of_2(k), RMS_NORM_ROWS_MAX_BLOCK_K)
+        pdl = _pdl(x.device, be == "triton-interpret", traced)
         key = None if traced else (
-            "norm_rows", x.device, m, k, x.stride(0), x.stride(1), _tensor_key(x), _tensor_key(g)
+            "norm_rows", x.device, m, k, x.stride(0), x.stride(1), _tensor_key(x), _tensor_key(g), pdl
         )
         runtime.launchable(_rms_norm_rows_kernel, traced, key)[(m,)](
             x, g, normed, k, x.stride(0), x.stride(1), eps,
-            BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=max(4, min(16, block_k // 1024)),
+            BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=max(4, min(16, block_k // 1024)), **_pdl_args(pdl),
         )
         return matmul_fwd(normed, weight.t(), bias, "none", x.dtype, allow_tma=False, traced=traced)
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
