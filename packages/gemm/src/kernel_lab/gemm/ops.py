@@ -126,8 +126,9 @@ RMS_NORM_ROWS_MAX_BLOCK_K = 16384
 # Both launches are programmatic dependent launches on Hopper (DECODE_PDL): M = 64 at the four
 # projections above went 19.66 / 15.14 / 36.15 / 38.01 -> 18.10 / 13.46 / 34.85 / 36.49 us.
 # (gemm 0.1.20 measured this and left it out: two torch.compile tests failed in its one GPU run.
-# The cause: a traced launch must name every kernel argument, and that variant's PDL constexprs
-# had defaults the traced launches left out; here every launch passes PDL.)
+# The likely cause: a traced launch must name every kernel argument, and that variant's PDL
+# constexprs had defaults the traced launches left out. Here every launch passes PDL, and the
+# GPU tier, torch.compile tests included, passed.)
 # rms_norm_linear at M of 2 to 16 where the matmul's decode plan does not split K: one launch
 # whose programs sum x^2 on the tensor cores (SSQ_BY_DOT in _rms_norm_linear_kernel), no extra
 # x^2 program and no reduce kernel.
