@@ -421,18 +421,25 @@ def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_pl
                 check(matmul(a, w.t(), bias=bias, activation=activation), a, w.t(), bias, activation)
 
 
-@pytest.mark.gpu
-def test_decode_launches_are_dependent_launches_where_measured_faster():
-    """ops._pdl's choices on this GPU (see ops.DECODE_PDL): Hopper and newer only, never traced."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    sms = runtime.sm_count(dev)
-    hopper = torch.cuda.get_device_capability(dev) >= (9, 0)
-    assert ops._pdl(dev, False, False) == (1 if hopper else 0)  # the GEMV and the rows kernel
-    assert ops._pdl(dev, False, False, 64, sms) == (1 if hopper else 0)
-    assert ops._pdl(dev, False, False, 64, 2 * sms) == (2 if hopper else 0)
-    assert ops._pdl(dev, False, False, 16, sms) == (2 if hopper else 0)
-    assert ops._pdl(dev, False, False, 32, sms + 1) == 0
-    assert ops._pdl(dev, False, True) == 0
+@pytest.mark.parametrize("capability,hip", [((9, 0), None), ((10, 0), None), ((8, 9), None), ((9, 4), "6.2")])
+def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatch, capability, hip):
+    """ops._pdl's choices (see ops.DECODE_PDL): NVIDIA Hopper and newer only, never traced nor
+    interpreted; 1 for the GEMV / rows kernel and one wave of 64-row tiles, 2 for more of them
+    and for one wave of smaller tiles, none for more of those. A stand-in device of 132 SMs."""
+    info = runtime.DeviceInfo(name="stand-in", capability=capability, sm_count=132, l2_bytes=50 << 20,
+                              total_memory_bytes=80 << 30)
+    monkeypatch.setattr(ops.runtime, "device_info", lambda index=None: info)
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: info.sm_count)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    dev = torch.device("cuda", 0)
+    on = capability >= (9, 0) and hip is None
+    expected = {(64, 0): 1, (64, 132): 1, (64, 224): 2, (32, 128): 2, (16, 132): 2, (32, 133): 0, (16, 224): 0}
+    for (block_m, programs), pdl in expected.items():
+        assert ops._pdl(dev, False, False, block_m, programs) == (pdl if on else 0), (block_m, programs)
+    assert ops._pdl(dev, False, True, 64, 1) == 0  # traced
+    assert ops._pdl(dev, True, False, 64, 1) == 0  # interpreted
+    monkeypatch.setattr(ops, "DECODE_PDL", False)  # KERNEL_LAB_GEMM_PDL=0
+    assert ops._pdl(dev, False, False, 64, 1) == 0
 
 
 @pytest.mark.gpu

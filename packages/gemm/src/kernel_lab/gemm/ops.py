@@ -237,9 +237,11 @@ def _pdl(device: torch.device, interpret: bool, traced: bool, block_m: int = SKI
     1 for a dependent launch that lets the next kernel launch at once, 2 for one that lets it
     launch after the K loop. Eager launches on Hopper and newer only (griddepcontrol is sm_90
     PTX; a traced launch, inside a triton_op, is made by torch's wrapper, which passes no
-    launch options). block_m / programs: the skinny GEMM's tile rows and grid size (the GEMV and
-    the rows kernel take the defaults)."""
-    if not DECODE_PDL or interpret or traced or runtime.device_info(device.index).capability < (9, 0):
+    launch options; ROCm, whose capability numbers are not NVIDIA's, has no griddepcontrol).
+    block_m / programs: the skinny GEMM's tile rows and grid size (the GEMV and the rows kernel
+    take the defaults)."""
+    if (not DECODE_PDL or interpret or traced or torch.version.hip is not None
+            or runtime.device_info(device.index).capability < (9, 0)):
         return 0
     one_wave = programs <= runtime.sm_count(device)
     if block_m >= SKINNY_MAX_M:
