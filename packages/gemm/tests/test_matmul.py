@@ -442,6 +442,20 @@ def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatc
     assert ops._pdl(dev, False, False, 64, 1) == 0
 
 
+@pytest.mark.parametrize("capability,hip,tma", [((9, 0), None, True), ((8, 0), None, False), ((10, 0), None, False),
+                                             ((9, 4), "6.2", False)])
+def test_tma_path_only_on_nvidia_hopper(monkeypatch, capability, hip, tma):
+    """The TMA persistent prefill kernel (ops._use_tma) is Hopper's: not Ampere or Blackwell, and
+    not a ROCm GPU whose capability reads 9.x. A stand-in device, row-major operands."""
+    info = runtime.DeviceInfo(name="stand-in", capability=capability, sm_count=132, l2_bytes=50 << 20,
+                              total_memory_bytes=80 << 30)
+    monkeypatch.setattr(ops.runtime, "device_info", lambda index=None: info)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(ops, "USE_TMA", True)
+    a, b, c = torch.zeros(256, 128), torch.zeros(128, 64), torch.zeros(256, 64)
+    assert ops._use_tma(a, b, c) == tma
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 48])
 def test_decode_chain_reads_what_the_launch_before_wrote(seed, m):

@@ -398,8 +398,11 @@ def _tma_layout(t: torch.Tensor) -> str | None:
 
 
 def _use_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the TMA persistent kernel takes this prefill: NVIDIA Hopper (ROCm's capability
+    numbers are not NVIDIA's: an MI300 reports 9.4) and layouts TMA can address."""
     return (
         USE_TMA
+        and torch.version.hip is None
         and runtime.device_info(a.device.index).capability[0] == 9
         and _tma_layout(a) == "row"
         and _tma_layout(b) is not None
