@@ -421,16 +421,21 @@ def test_decode_calls_differing_in_what_a_launch_specialises_on_get_their_own_pl
                 check(matmul(a, w.t(), bias=bias, activation=activation), a, w.t(), bias, activation)
 
 
-@pytest.mark.parametrize("capability,hip", [((9, 0), None), ((10, 0), None), ((8, 9), None), ((9, 4), "6.2")])
-def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatch, capability, hip):
-    """ops._pdl's choices (see ops.DECODE_PDL): NVIDIA Hopper and newer only, never traced nor
-    interpreted; 1 for the GEMV / rows kernel and one wave of 64-row tiles, 2 for more of them
-    and for one wave of smaller tiles, none for more of those. A stand-in device of 132 SMs."""
+def _stand_in_device(monkeypatch, capability, hip):
+    """ops sees a 132-SM device of `capability` (a ROCm build where hip is a version string)."""
     info = runtime.DeviceInfo(name="stand-in", capability=capability, sm_count=132, l2_bytes=50 << 20,
                               total_memory_bytes=80 << 30)
     monkeypatch.setattr(ops.runtime, "device_info", lambda index=None: info)
     monkeypatch.setattr(ops.runtime, "sm_count", lambda device: info.sm_count)
     monkeypatch.setattr(torch.version, "hip", hip)
+
+
+@pytest.mark.parametrize("capability,hip", [((9, 0), None), ((10, 0), None), ((8, 9), None), ((9, 4), "6.2")])
+def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatch, capability, hip):
+    """ops._pdl's choices (see ops.DECODE_PDL): NVIDIA Hopper and newer only, never traced nor
+    interpreted; 1 for the GEMV / rows kernel and one wave of 64-row tiles, 2 for more of them
+    and for one wave of smaller tiles, none for more of those. A stand-in device of 132 SMs."""
+    _stand_in_device(monkeypatch, capability, hip)
     dev = torch.device("cuda", 0)
     on = capability >= (9, 0) and hip is None
     expected = {(64, 0): 1, (64, 132): 1, (64, 224): 2, (32, 128): 2, (16, 132): 2, (32, 133): 0, (16, 224): 0}
@@ -447,10 +452,7 @@ def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatc
 def test_tma_path_only_on_nvidia_hopper(monkeypatch, capability, hip, tma):
     """The TMA persistent prefill kernel (ops._use_tma) is Hopper's: not Ampere or Blackwell, and
     not a ROCm GPU whose capability reads 9.x. A stand-in device, row-major operands."""
-    info = runtime.DeviceInfo(name="stand-in", capability=capability, sm_count=132, l2_bytes=50 << 20,
-                              total_memory_bytes=80 << 30)
-    monkeypatch.setattr(ops.runtime, "device_info", lambda index=None: info)
-    monkeypatch.setattr(torch.version, "hip", hip)
+    _stand_in_device(monkeypatch, capability, hip)
     monkeypatch.setattr(ops, "USE_TMA", True)
     a, b, c = torch.zeros(256, 128), torch.zeros(128, 64), torch.zeros(256, 64)
     assert ops._use_tma(a, b, c) == tma

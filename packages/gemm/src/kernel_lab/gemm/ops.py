@@ -540,7 +540,7 @@ def matmul_fwd(
         except Exception as e:  # a triton / driver that cannot build it: fall back, once and for good
             _disable_tma(e)
     tuned = _matmul_kernel_fp8_prefill if has_scale else _matmul_kernel_prefill
-    _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, PDL=False, **common)
+    _launch_prefill(_matmul_kernel, tuned, args, m, n, interpret, traced, WRITE_PARTIAL=False, PDL=0, **common)
     return c
 
 
