@@ -7,10 +7,13 @@ interpreter's bf16 tl.dot is wrong); `gpu` tests run Llama-3-8B shapes, bf16, fp
 and torch.compile.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kernel_lab.gemm._kernels as _kernels
 import kernel_lab.gemm.ops as ops
 from kernel_lab.gemm import fp8_matmul, matmul, quantize_fp8
 from kernel_lab.shared import reference, runtime, testing
@@ -433,18 +436,51 @@ def _stand_in_device(monkeypatch, capability, hip):
 @pytest.mark.parametrize("capability,hip", [((9, 0), None), ((10, 0), None), ((8, 9), None), ((9, 4), "6.2")])
 def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatch, capability, hip):
     """ops._pdl's choices (see ops.DECODE_PDL): NVIDIA Hopper and newer only, never traced nor
-    interpreted; 1 for the GEMV / rows kernel and one wave of 64-row tiles, 2 for more of them
-    and for one wave of smaller tiles, none for more of those. A stand-in device of 132 SMs."""
+    interpreted; 1 for the GEMV / rows kernel (programs None) and for one wave of programs that
+    fills at least PDL_FULL_WAVE of the SMs, 2 for a wave that leaves more idle and for more
+    programs than SMs in 64-row tiles, none for more of smaller tiles. A stand-in device of 132
+    SMs."""
     _stand_in_device(monkeypatch, capability, hip)
     dev = torch.device("cuda", 0)
     on = capability >= (9, 0) and hip is None
-    expected = {(64, 0): 1, (64, 132): 1, (64, 224): 2, (32, 128): 2, (16, 132): 2, (32, 133): 0, (16, 224): 0}
+    expected = {(64, None): 1, (64, 132): 1, (16, 128): 1, (32, 119): 1, (32, 118): 2, (64, 96): 2, (16, 1): 2,
+                (64, 224): 2, (32, 133): 0, (16, 224): 0}
     for (block_m, programs), pdl in expected.items():
         assert ops._pdl(dev, False, False, block_m, programs) == (pdl if on else 0), (block_m, programs)
     assert ops._pdl(dev, False, True, 64, 1) == 0  # traced
     assert ops._pdl(dev, True, False, 64, 1) == 0  # interpreted
     monkeypatch.setattr(ops, "DECODE_PDL", False)  # KERNEL_LAB_GEMM_PDL=0
-    assert ops._pdl(dev, False, False, 64, 1) == 0
+    assert ops._pdl(dev, False, False, 64, None) == 0
+
+
+@pytest.mark.parametrize("dtype,programs_per_sm", [(torch.bfloat16, 1), (torch.float8_e4m3fn, 1), (torch.bfloat16, 2)])
+def test_skinny_configs_of_one_wave_fill_more_than_half_an_sm(monkeypatch, dtype, programs_per_sm):
+    """_kernels._one_program_per_sm: for a grid of one wave the skinny GEMM's autotuner only tries
+    configs whose pipeline (num_stages - 1 staged a and b tiles) takes more than half an SM's
+    shared memory, so that no SM holds two of its programs. Every 16-bit tile shape the launcher
+    makes has such a config; float8 tiles of at most 32 x 64 do not (half the bytes) and keep
+    every config, as does a grid of more programs than SMs. A stand-in device of 132 SMs with
+    228 KB of shared memory each."""
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=228 << 10)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    configs = _kernels.SKINNY_CONFIGS + _kernels.SKINNY_DEEP_CONFIGS
+    a = torch.empty(1, dtype=dtype)
+    for block_m in (16, 32, 64):
+        for block_n in (32, 64):
+            n = 132 * block_n * programs_per_sm  # one wave of programs, or two
+            args = dict(a_ptr=a, M=block_m, N=n, K=4096, K_PER_SPLIT=4096)
+            kept = _kernels._one_program_per_sm(configs, args, BLOCK_M=block_m, BLOCK_N=block_n)
+            small_fp8 = a.element_size() == 1 and block_m + block_n < 96
+            if programs_per_sm > 1 or small_fp8:
+                assert kept == configs, (block_m, block_n)
+                continue
+            assert kept and len(kept) < len(configs), (block_m, block_n)
+            for c in kept:
+                smem = (c.num_stages - 1) * (block_m + block_n) * c.kwargs["BLOCK_K"] * a.element_size()
+                assert 2 * smem > props.shared_memory_per_multiprocessor, (block_m, block_n, c)
+    # a size that torch.compile traces as a symbol (not an int): nothing is pruned
+    args = dict(a_ptr=a, M=object(), N=4096, K=4096, K_PER_SPLIT=4096)
+    assert _kernels._one_program_per_sm(configs, args, BLOCK_M=16, BLOCK_N=32) == configs
 
 
 @pytest.mark.parametrize("capability,hip,tma", [((9, 0), None, True), ((8, 0), None, False), ((10, 0), None, False),

@@ -10,6 +10,7 @@ and `_splitk_reduce_kernel` sums the partials and applies the epilogue. Decode s
 only large operand, streams from HBM.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -944,8 +945,9 @@ FP8_PREFILL_CONFIGS = [
 
 # cache_results: the winners are stored in Triton's cache directory, so a second process (the
 # benchmark after the tests) does not re-tune.
-def _autotuned(kernel, configs, key):
-    return triton.autotune(configs=configs, key=key, cache_results=True)(kernel)
+def _autotuned(kernel, configs, key, prune=None):
+    return triton.autotune(configs=configs, key=key, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
 
 
 MATMUL_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "stride_ak", "stride_bk", "HAS_SCALE"]
@@ -970,6 +972,45 @@ SKINNY_CONFIGS = [
     _skinny_cfg(256, 4, 4),
     _skinny_cfg(256, 5, 4),
 ]
+# The plain skinny GEMM's also: deeper pipelines (BLOCK_K 128 with 5 stages, 256 with 6, and 256
+# with 3 for 64 x 64 tiles) give every tile shape a config that fills more than half an SM's
+# shared memory (see _one_program_per_sm).
+SKINNY_DEEP_CONFIGS = [_skinny_cfg(128, 5, 4), _skinny_cfg(256, 3, 4), _skinny_cfg(256, 6, 4)]
+
+
+def _skinny_shared_bytes(config, block_m: int, block_n: int, itemsize: int) -> int:
+    """Shared memory of the skinny GEMM's pipeline under `config`: num_stages - 1 staged copies
+    of the a and b tiles (Triton's loop pipeliner)."""
+    block_k = config.kwargs["BLOCK_K"]
+    return (config.num_stages - 1) * (block_m + block_n) * block_k * itemsize
+
+
+def _one_program_per_sm(configs, named_args, **kwargs):
+    """Autotuner pruning of the skinny GEMM: a grid of one wave (at most one program per SM)
+    keeps only the configs whose pipeline fills more than half an SM's shared memory, so that
+    no SM can hold two of its programs.
+
+    Two on one SM share that SM's load bandwidth while other SMs idle. With dependent launches
+    (ops._pdl) the next kernel's programs become resident while ours still run, and where two
+    fit an SM the block scheduler stacked them unevenly: rms_norm_linear at M = 24, 4096 x 4096,
+    took 18.4 us with the 96 KB config (BLOCK_K 256, 4 stages, 32 x 32 tiles) against 13.1 with
+    the 128 KB one (5 stages), whose GEMM alone was level (12.5 against 12.3 us); the autotuner,
+    timing the GEMM alone, picked either from process to process. Larger grids keep every
+    config (two programs an SM there make one wave of two). Sizes that are not plain ints (a
+    torch.compile trace with dynamic shapes) keep every config too."""
+    a = named_args["a_ptr"]
+    m, n, k, k_per_split = (named_args[name] for name in ("M", "N", "K", "K_PER_SPLIT"))
+    if not all(type(v) is int for v in (m, n, k, k_per_split)):
+        return configs
+    block_m, block_n = kwargs["BLOCK_M"], kwargs["BLOCK_N"]
+    props = torch.cuda.get_device_properties(a.device)
+    if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * triton.cdiv(k, k_per_split) > props.multi_processor_count:
+        return configs
+    half_sm = props.shared_memory_per_multiprocessor // 2
+    alone = [c for c in configs if _skinny_shared_bytes(c, block_m, block_n, a.element_size()) > half_sm]
+    return alone or configs
+
+
 SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT", "BLOCK_N"]
 
 # One-row GEMV (M = 1): BLOCK_K = 256 x num_warps (or twice that) keeps every thread on 8
@@ -989,7 +1030,8 @@ INT4_GEMV_CONFIGS = [
     for bn, rb, w in ((16, 512, 4), (8, 512, 2), (8, 256, 4), (16, 256, 4), (16, 128, 4))
 ]
 _int4_gemv_kernel_tuned = _autotuned(_int4_gemv_kernel, INT4_GEMV_CONFIGS, ["N", "K", "HAS_ZEROS", "GROUP_SIZE"])
-_matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"])
+_matmul_kernel_skinny = _autotuned(_matmul_kernel, SKINNY_CONFIGS + SKINNY_DEEP_CONFIGS, [*SKINNY_KEY, "HAS_SCALE"],
+                                   _one_program_per_sm)
 _rms_norm_linear_kernel_skinny = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)
 _rms_norm_linear_kernel_decode = _autotuned(_rms_norm_linear_kernel, SKINNY_CONFIGS, SKINNY_KEY)  # SSQ_BY_DOT
 _rms_norm_linear_kernel_prefill = _autotuned(_rms_norm_linear_kernel, PREFILL_CONFIGS, ["M_BUCKET", "N", "K"])

@@ -91,15 +91,21 @@ SPLIT_PROGRAMS_PER_SM = 0.5
 #   GEMM M = 16             1: -1.14 / -0.13 / -3.62 / -3.38   2: -0.35 / +0.49 / +0.42 / -0.61
 #   rms_norm_linear M = 64  1: +1.68 / +1.56 / +1.30 / +1.52   2: +1.74 / +1.58 / +1.34 / +1.66
 #   rms_norm_linear M = 32  1: +1.66 / +1.87 / -1.46 / +1.52   2: +1.39 / +1.69 / -2.06 / +1.66
-# At M <= 32 the GEMM's programs are small enough for two to share an SM, and a next GEMM let in
-# at the start lands its programs beside ours, unevenly; with M of 33-64 (64-row tiles) a
-# program holds an SM's shared memory and the next kernel's programs wait for SMs we leave.
-# More programs than SMs (14336x4096: 224 tiles) lost with 1 at M = 64 here and in a benchmark
-# run of it (history 0098: 33.3 -> 35.2 us a call, while 4096x4096 went 12.2 -> 11.4), and with
-# either at M = 32 (as in gemm 0.1.20's measurement of rms_norm_linear). Hence: the GEMV and the
-# rows kernel 1; 64-row tiles 1 in one wave of programs, else 2; smaller tiles 2 in one wave,
-# else no PDL. KERNEL_LAB_GEMM_PDL=0 turns it off.
+# (That table was measured before the skinny GEMM kept one program per SM in one wave, see
+# _kernels._one_program_per_sm: at M <= 32 two of its programs could share an SM, and a next
+# kernel let in at the start landed its programs beside ours, unevenly.) Since then, same
+# method (three alternated rounds, scratch, 2026-11-29), us, 1 against 2, the GEMM alone:
+#   one wave of 128 programs (4096x4096 / 4096x14336): M = 16 10.66 / 29.47 against 11.53 / 30.26,
+#     M = 32 11.36 / 30.61 against 12.33 / 31.35, M = 64 11.62 / 32.72 against 12.29 / 33.54;
+#   one wave of 96 programs (6144x4096, 36 SMs idle): M = 16 16.53 against 15.58, M = 32 16.87
+#     against 16.16, M = 64 16.90 against 15.80;
+#   224 programs (14336x4096): M = 16 40.67 against 30.34 (30.64 without PDL), M = 32 with
+#     rms_norm_linear's rows kernel ahead 36.0 / 36.7 against 34.9 without.
+# Hence: the GEMV and the rows kernel 1; one wave of programs 1 where it fills PDL_FULL_WAVE of
+# the SMs, else 2; more programs than SMs 2 for 64-row tiles (1 lost there in history 0098: 33.3
+# -> 35.2 us a call at M = 64), no PDL for smaller ones. KERNEL_LAB_GEMM_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("KERNEL_LAB_GEMM_PDL", "1") != "0"
+PDL_FULL_WAVE = 0.9
 # rms_norm_linear at M of 17 to 64 (and at most SKINNY_MAX_M): two launches, the normalised rows
 # (_rms_norm_rows_kernel, rounded to x's dtype as the unfused pair rounds them) and then the
 # plain decode GEMM (its plan above). The fused kernel there multiplies each x tile by the norm
@@ -232,21 +238,24 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.dtype, t.data_ptr() % 16)
 
 
-def _pdl(device: torch.device, interpret: bool, traced: bool, block_m: int = SKINNY_MAX_M, programs: int = 0) -> int:
+def _pdl(device: torch.device, interpret: bool, traced: bool, block_m: int = SKINNY_MAX_M,
+         programs: int | None = None) -> int:
     """The PDL constexpr of a decode launch on `device` (see DECODE_PDL): 0 for a plain launch,
     1 for a dependent launch that lets the next kernel launch at once, 2 for one that lets it
     launch after the K loop. Eager launches on Hopper and newer only (griddepcontrol is sm_90
     PTX; a traced launch, inside a triton_op, is made by torch's wrapper, which passes no
     launch options; ROCm, whose capability numbers are not NVIDIA's, has no griddepcontrol).
-    block_m / programs: the skinny GEMM's tile rows and grid size (the GEMV and the rows kernel
-    take the defaults)."""
+    block_m / programs: the skinny GEMM's tile rows and grid size (None: the GEMV or the rows
+    kernel)."""
     if (not DECODE_PDL or interpret or traced or torch.version.hip is not None
             or runtime.device_info(device.index).capability < (9, 0)):
         return 0
-    one_wave = programs <= runtime.sm_count(device)
-    if block_m >= SKINNY_MAX_M:
-        return 1 if one_wave else 2
-    return 2 if one_wave else 0
+    if programs is None:
+        return 1
+    sms = runtime.sm_count(device)
+    if programs <= sms:
+        return 1 if programs >= PDL_FULL_WAVE * sms else 2
+    return 2 if block_m >= SKINNY_MAX_M else 0
 
 
 def _pdl_args(pdl: int) -> dict:
