@@ -19,7 +19,7 @@ Groups (one per shape and dtype, one row per implementation):
   channel) and kernel_lab-int4 (group 128) against cuBLAS bf16 on the dense weight (baseline).
 - fp8: per-tensor scaled (row-wise for one group), torch._scaled_mm as the baseline; the
   decode-shaped group (M = 16) is timed as the decode groups are (weight copies, CUDA graphs).
-- rms_norm_linear: M in {1, 16, 64}, N x K = 6144 x 4096 (Llama-3-8B's fused QKV), bf16; rows:
+- rms_norm_linear: M in {1, 16, 32, 64}, N x K = 6144 x 4096 (Llama-3-8B's fused QKV), bf16; rows:
   the unfused torch pair (baseline), torch.compile of the pair, kernel_lab's fused kernel.
 
 Errors: max |out - float64 reference| over the first ERROR_ROWS rows.
@@ -277,7 +277,7 @@ def test_gemm_fp8(benchmark, case, impl):
 
 # --- rms_norm_linear -----------------------------------------------------------------------------
 
-RNL_M = [1, 16, 64]
+RNL_M = [1, 16, 32, 64]
 
 
 @pytest.mark.parametrize("impl", ["torch", "torch.compile", "kernel_lab"])

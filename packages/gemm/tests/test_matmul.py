@@ -495,6 +495,28 @@ def test_tma_path_only_on_nvidia_hopper(monkeypatch, capability, hip, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n", [(16, 4096), (24, 4096), (24, 6144), (64, 6144)])
+def test_one_wave_decode_gemm_settles_on_one_program_per_sm(seed, m, n):
+    """The skinny GEMM's autotuner, on the GPU, picks for a grid of one wave a config whose
+    pipeline takes more than half an SM's shared memory (_kernels._one_program_per_sm): the
+    shapes where a 96 KB config once won the tuning (M = 24, 4096 x 4096) and others. The
+    result is checked against the reference too."""
+    k = 4096
+    a = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed)
+    w = testing.randn(n, k, dtype=torch.bfloat16, device="cuda", seed=seed + 1, scale=k**-0.5)
+    check(matmul(a, w.t()), a, w.t(), None, None)
+    plan = ops._skinny_plan(m, n, k, a.device, ops.SKINNY_K_ALIGN)
+    tiles, splits = plan.grid(m, n)
+    assert tiles * splits <= runtime.sm_count(a.device)
+    key = (ops._m_bucket(m), n, k, plan.k_per_split, plan.block_n, False)  # (..., HAS_SCALE), then dtypes
+    picked = [cfg for tuned_key, cfg in _kernels._matmul_kernel_skinny.cache.items()
+              if tuned_key[:6] == key and "torch.bfloat16" in tuned_key]
+    assert len(picked) == 1, _kernels._matmul_kernel_skinny.cache
+    smem = _kernels._skinny_shared_bytes(picked[0], plan.block_m, plan.block_n, a.element_size())
+    assert 2 * smem > torch.cuda.get_device_properties(a.device).shared_memory_per_multiprocessor, picked[0]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 48])
 def test_decode_chain_reads_what_the_launch_before_wrote(seed, m):
     """Each decode launch reads the output of the one before (a chain of square GEMMs), eagerly
