@@ -972,15 +972,16 @@ SKINNY_CONFIGS = [
     _skinny_cfg(256, 4, 4),
     _skinny_cfg(256, 5, 4),
 ]
-# The plain skinny GEMM's also: deeper pipelines (BLOCK_K 128 with 5 stages, 256 with 6, and 256
-# with 3 for 64 x 64 tiles) give every tile shape a config that fills more than half an SM's
-# shared memory (see _one_program_per_sm).
+# The plain skinny GEMM (not the fused rms_norm_linear kernels) also tunes over deeper pipelines
+# (BLOCK_K 128 with 5 stages, 256 with 6, and 256 with 3 for 64 x 64 tiles), so that every 16-bit
+# tile shape has a config that fills more than half an SM's shared memory (_one_program_per_sm).
 SKINNY_DEEP_CONFIGS = [_skinny_cfg(128, 5, 4), _skinny_cfg(256, 3, 4), _skinny_cfg(256, 6, 4)]
 
 
 def _skinny_shared_bytes(config, block_m: int, block_n: int, itemsize: int) -> int:
     """Shared memory of the skinny GEMM's pipeline under `config`: num_stages - 1 staged copies
-    of the a and b tiles (Triton's loop pipeliner)."""
+    of the a and b tiles (Triton's loop pipeliner). A lower bound: the kernels compiled in the
+    H200 sweep of gemm 0.1.22 took this or more (epilogue scratch)."""
     block_k = config.kwargs["BLOCK_K"]
     return (config.num_stages - 1) * (block_m + block_n) * block_k * itemsize
 
