@@ -434,23 +434,33 @@ def _stand_in_device(monkeypatch, capability, hip):
 
 
 @pytest.mark.parametrize("capability,hip", [((9, 0), None), ((10, 0), None), ((8, 9), None), ((9, 4), "6.2")])
-def test_decode_launches_are_dependent_launches_where_measured_faster(monkeypatch, capability, hip):
+def test_decode_launches_are_dependent_launches_where_measured_faster(request, monkeypatch, capability, hip):
     """ops._pdl's choices (see ops.DECODE_PDL): NVIDIA Hopper and newer only, never traced nor
-    interpreted; 1 for the GEMV / rows kernel (programs None) and for one wave of programs that
-    fills at least PDL_FULL_WAVE of the SMs, 2 for a wave that leaves more idle and for more
-    programs than SMs in 64-row tiles, none for more of smaller tiles. A stand-in device of 132
-    SMs."""
+    interpreted; 1 for the GEMV / rows kernel (no tile) and for one wave of programs that fills
+    at least PDL_FULL_WAVE of the SMs one program an SM, 2 for a wave that leaves more SMs idle
+    or whose float8 tiles may share an SM, and for more programs than SMs in 64-row tiles; none
+    for more of smaller tiles. A stand-in device of 132 SMs with 228 KB of shared memory each."""
     _stand_in_device(monkeypatch, capability, hip)
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=228 << 10)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    ops._alone_on_an_sm.cache_clear()
+    request.addfinalizer(ops._alone_on_an_sm.cache_clear)  # (its answers are the stand-in's)
     dev = torch.device("cuda", 0)
     on = capability >= (9, 0) and hip is None
-    expected = {(64, None): 1, (64, 132): 1, (16, 128): 1, (32, 119): 1, (32, 118): 2, (64, 96): 2, (16, 1): 2,
-                (64, 224): 2, (32, 133): 0, (16, 224): 0}
-    for (block_m, programs), pdl in expected.items():
-        assert ops._pdl(dev, False, False, block_m, programs) == (pdl if on else 0), (block_m, programs)
-    assert ops._pdl(dev, False, True, 64, 1) == 0  # traced
-    assert ops._pdl(dev, True, False, 64, 1) == 0  # interpreted
+    bf16, fp8 = 2, 1
+    expected = {
+        (None, 0): 1,  # GEMV, rows kernel
+        ((64, 32, bf16), 132): 1, ((16, 32, bf16), 128): 1, ((32, 32, bf16), 119): 1,
+        ((32, 32, bf16), 118): 2, ((64, 64, bf16), 96): 2, ((16, 32, bf16), 1): 2,
+        ((16, 32, fp8), 128): 2, ((64, 64, fp8), 128): 1,
+        ((64, 64, bf16), 224): 2, ((32, 64, bf16), 133): 0, ((16, 64, fp8), 224): 0,
+    }
+    for (tile, programs), pdl in expected.items():
+        assert ops._pdl(dev, False, False, tile, programs) == (pdl if on else 0), (tile, programs)
+    assert ops._pdl(dev, False, True, (64, 32, bf16), 1) == 0  # traced
+    assert ops._pdl(dev, True, False, (64, 32, bf16), 1) == 0  # interpreted
     monkeypatch.setattr(ops, "DECODE_PDL", False)  # KERNEL_LAB_GEMM_PDL=0
-    assert ops._pdl(dev, False, False, 64, None) == 0
+    assert ops._pdl(dev, False, False) == 0
 
 
 @pytest.mark.parametrize("dtype,programs_per_sm", [(torch.bfloat16, 1), (torch.float8_e4m3fn, 1), (torch.bfloat16, 2)])

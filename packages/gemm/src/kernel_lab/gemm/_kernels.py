@@ -1007,9 +1007,15 @@ def _one_program_per_sm(configs, named_args, **kwargs):
     props = torch.cuda.get_device_properties(a.device)
     if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * triton.cdiv(k, k_per_split) > props.multi_processor_count:
         return configs
-    half_sm = props.shared_memory_per_multiprocessor // 2
-    alone = [c for c in configs if _skinny_shared_bytes(c, block_m, block_n, a.element_size()) > half_sm]
+    alone = skinny_configs_alone_on_an_sm(configs, block_m, block_n, a.element_size(),
+                                          props.shared_memory_per_multiprocessor)
     return alone or configs
+
+
+def skinny_configs_alone_on_an_sm(configs, block_m: int, block_n: int, itemsize: int, sm_shared_bytes: int) -> list:
+    """The configs of which no SM (of sm_shared_bytes of shared memory) holds two programs with
+    these tiles. Empty for float8 tiles of at most 32 x 64 (half the bytes of 16-bit ones)."""
+    return [c for c in configs if 2 * _skinny_shared_bytes(c, block_m, block_n, itemsize) > sm_shared_bytes]
 
 
 SKINNY_KEY = ["M_BUCKET", "N", "K", "K_PER_SPLIT", "BLOCK_N"]

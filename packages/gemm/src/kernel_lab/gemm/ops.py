@@ -23,6 +23,7 @@ Paths per GEMM:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -56,6 +57,7 @@ from ._kernels import (
     _splitk_reduce_kernel,
     _tma_block_shapes,
     _weight_only_decode_kernel,
+    skinny_configs_alone_on_an_sm,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -102,7 +104,9 @@ SPLIT_PROGRAMS_PER_SM = 0.5
 #   224 programs (14336x4096): M = 16 40.67 against 30.34 (30.64 without PDL), M = 32 with
 #     rms_norm_linear's rows kernel ahead 36.0 / 36.7 against 34.9 without.
 # Hence: the GEMV and the rows kernel 1; one wave of programs 1 where it fills PDL_FULL_WAVE of
-# the SMs, else 2; more programs than SMs 2 for 64-row tiles (1 lost there in history 0098: 33.3
+# the SMs with one program an SM, else 2 (float8 tiles of at most 32 x 64 have no config that
+# keeps an SM to one program: they keep 2, as measured for such tiles before, in the table
+# above); more programs than SMs 2 for 64-row tiles (1 lost there in history 0098: 33.3
 # -> 35.2 us a call at M = 64), no PDL for smaller ones. KERNEL_LAB_GEMM_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("KERNEL_LAB_GEMM_PDL", "1") != "0"
 PDL_FULL_WAVE = 0.9
@@ -238,24 +242,36 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.dtype, t.data_ptr() % 16)
 
 
-def _pdl(device: torch.device, interpret: bool, traced: bool, block_m: int = SKINNY_MAX_M,
-         programs: int | None = None) -> int:
+def _pdl(device: torch.device, interpret: bool, traced: bool, tile: tuple[int, int, int] | None = None,
+         programs: int = 0) -> int:
     """The PDL constexpr of a decode launch on `device` (see DECODE_PDL): 0 for a plain launch,
     1 for a dependent launch that lets the next kernel launch at once, 2 for one that lets it
     launch after the K loop. Eager launches on Hopper and newer only (griddepcontrol is sm_90
     PTX; a traced launch, inside a triton_op, is made by torch's wrapper, which passes no
     launch options; ROCm, whose capability numbers are not NVIDIA's, has no griddepcontrol).
-    block_m / programs: the skinny GEMM's tile rows and grid size (None: the GEMV or the rows
-    kernel)."""
+    tile / programs: the skinny GEMM's (BLOCK_M, BLOCK_N, operand itemsize) and grid size
+    (tile None: the GEMV or the rows kernel)."""
     if (not DECODE_PDL or interpret or traced or torch.version.hip is not None
             or runtime.device_info(device.index).capability < (9, 0)):
         return 0
-    if programs is None:
+    if tile is None:
         return 1
+    block_m, block_n, itemsize = tile
     sms = runtime.sm_count(device)
     if programs <= sms:
-        return 1 if programs >= PDL_FULL_WAVE * sms else 2
+        full = programs >= PDL_FULL_WAVE * sms and _alone_on_an_sm(device.index, block_m, block_n, itemsize)
+        return 1 if full else 2
     return 2 if block_m >= SKINNY_MAX_M else 0
+
+
+@functools.cache
+def _alone_on_an_sm(device_index: int | None, block_m: int, block_n: int, itemsize: int) -> bool:
+    """Whether a one-wave skinny GEMM of these tiles runs one program per SM: the autotuner
+    keeps only such configs where it has some (_kernels._one_program_per_sm); float8 tiles of at
+    most 32 x 64 have none, and two of their programs may share an SM."""
+    sm_shared = torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
+    configs = _matmul_kernel_skinny.configs
+    return bool(skinny_configs_alone_on_an_sm(configs, block_m, block_n, itemsize, sm_shared))
 
 
 def _pdl_args(pdl: int) -> dict:
@@ -520,7 +536,7 @@ def matmul_fwd(
         kernel = _matmul_kernel if interpret else _matmul_kernel_skinny
         extra = dict(BLOCK_K=INTERPRET_BLOCK, GROUP_M=1) if interpret else {}
         tiles, splits = plan.grid(m, n)
-        pdl = _pdl(a.device, interpret, traced, plan.block_m, tiles * splits)
+        pdl = _pdl(a.device, interpret, traced, (plan.block_m, plan.block_n, a.element_size()), tiles * splits)
         key = None if traced else (
             "skinny", a.device, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), _tensor_key(a),
             _tensor_key(b), _tensor_key(bias), _tensor_key(scale_a), _tensor_key(scale_b), stride_sa, stride_sb,
