@@ -118,6 +118,7 @@ def test_pdl_launches_wait_for_the_kernel_before(case, pdl):
         signal = ptx.index("griddepcontrol.launch_dependents")
         assert (signal < wait) if pdl == 1 else (signal > ptx.rindex("cp.async"))
 
+
 def test_relu_epilogue_keeps_nan():
     """relu(NaN) is NaN, as torch.relu: the epilogue's max must be max.NaN in the PTX (a plain
     max.f32 returns 0; the interpreter's numpy max would not show the difference)."""
