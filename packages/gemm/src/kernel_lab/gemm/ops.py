@@ -184,6 +184,18 @@ WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM = 3
 # slices' final sum): fewer stages, then fewer slices, where a plan would need more.
 WEIGHT_ONLY_MAX_SHARED = {9: 200 << 10, 8: 150 << 10}
 WEIGHT_ONLY_MAX_SHARED_OTHER = 90 << 10
+# WEIGHT_ONLY_PDL_NOTE: the weight-only decode launches are programmatic dependent launches on
+# Hopper and newer too (see DECODE_PDL): the int4 GEMV (M = 1) as the other GEMVs, letting the next
+# kernel launch at its start (1); the dequantizing decode kernel, several small programs an SM,
+# after its K loop (2): at 1 the next call's programs landed beside ours and cost 1-8 us. H200,
+# bf16 x, CUDA-graph replays of one call per rotated weight copy, three alternated rounds (scratch,
+# 2026-11-29), us without PDL / 1 / 2 at N x K = 4096x4096, 6144x4096, 14336x4096, 4096x14336:
+#   int4 GEMV, M = 1:            8.57 / 7.77;  11.01 / 11.10;  21.49 / 20.75;  23.43 / 22.67
+#   int4 group 128, M = 16:      8.66 / 10.44 / 7.92;  11.11 / 12.46 / 10.80;  19.98 / 19.63 / 19.45;
+#                                22.07 / 25.88 / 21.24
+#   int8 per channel, M = 16:    9.27 / 11.27 / 8.62;  13.38 / 16.32 / 12.76;  21.73 / 26.26 / 21.23;
+#                                23.39 / 29.93 / 22.79
+#   (M = 4, both formats: 2 faster than none by 0.2-0.8 us at every shape, 1 slower by up to 8 us.)
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -611,16 +623,17 @@ def _int4_gemv(x, qdata, scales, zeros, bias, c, group_size: int, interpret: boo
     def grid(meta):
         return (runtime.cdiv(n, meta["BLOCK_N"]),)
 
+    pdl = _pdl(x.device, interpret, traced)
     key = None if traced else (
         "int4_gemv", x.device, n, k, x.stride(1), qdata.stride(0), scales.stride(0), scales.stride(1),
         _tensor_key(x), _tensor_key(qdata), _tensor_key(scales), _tensor_key(zeros), _tensor_key(bias), c.dtype,
-        group_size,
+        group_size, pdl,
     )
     runtime.launchable(kernel, traced, key)[grid](
         x, qdata, scales, c if zeros is None else zeros, c, c if bias is None else bias,
         n, k, x.stride(1), qdata.stride(0), scales.stride(0), scales.stride(1), c.stride(1),
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, USE_PRMT=not interpret, GROUP_SIZE=group_size,
-        **meta,
+        **meta, **_pdl_args(pdl),
     )
 
 
@@ -663,6 +676,10 @@ def quantized_matmul_fwd(
     strides = (x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1))
     if m <= SKINNY_MAX_M:
         plan = _weight_only_plan(m, n, k, bits, group_size, x.device)
+        # Many small programs an SM: a dependent launch lets the next kernel in after the K loop
+        # (2; see WEIGHT_ONLY_PDL_NOTE).
+        pdl = 2 if _pdl(x.device, interpret, traced) else 0
+        key = None if traced else (*key, pdl)
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
         launch = {} if interpret else dict(num_warps=plan.slices, num_stages=plan.num_stages)
         # Absent zero points and bias take the scales' place, not the output's: should
@@ -675,6 +692,7 @@ def quantized_matmul_fwd(
             BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
             WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, K_TAIL=k % plan.block_k != 0,
             MASK_M=m < plan.block_m, BLOCK_M=plan.block_m, BLOCK_N=WEIGHT_ONLY_BLOCK_N, BLOCK_K=plan.block_k, **launch,
+            **_pdl_args(pdl),
         )
         if plan.split_k > 1:
             _reduce(ws, c, bias=bias, traced=traced)
