@@ -60,7 +60,7 @@ CASES = {
     "int8-decode": ("_weight_only_decode_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
                                                        zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16"),
                     dict(BITS=8, HAS_ZEROS=False, PER_CHANNEL=True, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
-                         SLICES=2, PDL=0, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_SIZE=0,
+                         SLICES=2, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_SIZE=0,
                          stride_xk=1, stride_qk=1, stride_cn=1, stride_sg=1), 2, 4),
     # (the launcher's tiles: ops.QUANT_PREFILL_TILES)
     "int8-prefill": ("_quantized_matmul_kernel", dict(x_ptr="*bf16", q_ptr="*i8", scales_ptr="*bf16",
@@ -89,22 +89,19 @@ def test_kernel_loads_are_pipelined_async_copies(case):
 
 
 PDL_CASES = {  # decode kernels launched as programmatic dependent launches: (case or FLOAT_CASES name, prefetches)
-    "decode": True, "int8-decode": True, "_gemv_kernel": True, "_int4_gemv_kernel": True,
-    "_rms_norm_rows_kernel": False,
+    "decode": True, "_gemv_kernel": True, "_int4_gemv_kernel": True, "_rms_norm_rows_kernel": False,
 }
-PDL_AFTER_THE_LOOP = ("decode", "int8-decode")  # the kernels that also take PDL = 2
 INT4_GEMV = (dict(x_ptr="*bf16", q_ptr="*u8", scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*bf16", bias_ptr="*bf16"),
              dict(HAS_ZEROS=False, HAS_BIAS=False, USE_PRMT=True, GROUP_SIZE=128, BLOCK_N=16, ROW_BYTES=256,
                   stride_xk=1))
 
 
-@pytest.mark.parametrize("case,pdl", [(c, p) for c in PDL_CASES for p in (0, 1, 2) if p < 2 or c in PDL_AFTER_THE_LOOP])
+@pytest.mark.parametrize("case,pdl", [(c, p) for c in PDL_CASES for p in (0, 1, 2) if p < 2 or c == "decode"])
 def test_pdl_launches_wait_for_the_kernel_before(case, pdl):
     """As a programmatic dependent launch (PDL 1 or 2, ops._pdl) a decode kernel prefetches
     its weight rows' first lines into L2 (the GEMMs and GEMVs), waits (griddepcontrol.wait)
     before its first global load and lets the next kernel launch: at its start (1), after its
-    K loop (2, the skinny GEMM and the weight-only decode kernel); with 0 none of that is
-    compiled in."""
+    K loop (2, the skinny GEMM only); with 0 none of that is compiled in."""
     from kernel_lab.gemm import _kernels
 
     if case in CASES:
@@ -153,8 +150,7 @@ def test_int4_dequantization_stays_within_the_issue_budget(x_type, slices):
 
     pointers = dict(x_ptr=x_type, q_ptr="*u8", scales_ptr=x_type, zeros_ptr="*u8", c_ptr="*fp32", bias_ptr=x_type)
     constexprs = dict(BITS=4, HAS_ZEROS=False, PER_CHANNEL=False, HAS_BIAS=False, WRITE_PARTIAL=True, USE_PRMT=True,
-                      SLICES=slices, PDL=0, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
-                      GROUP_SIZE=128,
+                      SLICES=slices, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_SIZE=128,
                       stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, slices, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]
@@ -174,7 +170,7 @@ def test_int8_decode_converts_no_code_with_i2f(codes, has_zeros, per_channel):
 
     pointers = dict(x_ptr="*bf16", q_ptr=codes, scales_ptr="*bf16", zeros_ptr="*u8", c_ptr="*fp32", bias_ptr="*bf16")
     constexprs = dict(BITS=8, HAS_ZEROS=has_zeros, PER_CHANNEL=per_channel, HAS_BIAS=False, WRITE_PARTIAL=True,
-                      USE_PRMT=True, SLICES=2, PDL=0, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
+                      USE_PRMT=True, SLICES=2, K_TAIL=False, MASK_M=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
                       GROUP_SIZE=0 if per_channel else 128, stride_xk=1, stride_qk=1)
     compiled = compile_for_sm90(_kernels._weight_only_decode_kernel, pointers, constexprs, 2, 3)
     loop = [i for i in testing.sass_loop_body(compiled) if not i.startswith("NOP")]

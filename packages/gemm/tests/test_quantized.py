@@ -443,11 +443,11 @@ def test_int4_decode_ptx_dequantization(seed, dtype, symmetric, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,group_size", [(8, None), (4, 128)])
-@pytest.mark.parametrize("m", [1, 4, 16])  # the GEMVs (PDL 1), the decode kernel (PDL 2)
+@pytest.mark.parametrize("m", [1, 16])  # the GEMVs (dependent launches), the decode kernel
 def test_weight_only_chain_reads_what_the_launch_before_wrote(seed, bits, group_size, m):
     """Each weight-only decode launch reads the output of the one before (a chain of square
     layers), eagerly and replayed from a CUDA graph on new inputs: a dependent launch
-    (ops.WEIGHT_ONLY_PDL_NOTE) that read its input before the kernel writing it had finished
+    (ops.DECODE_PDL) that read its input before the kernel writing it had finished
     would fail the float64 check of its link (each link is checked on the input it was given)."""
     k = 4096
     qws = [quantize_weight(testing.randn(k, k, dtype=torch.bfloat16, device="cuda", seed=seed + i, scale=k**-0.5),
@@ -509,7 +509,7 @@ def test_compile_sees_only_the_output_written_by_the_decode_kernel(bits, group_s
         stride_sg=qw.scales.stride(1), stride_cm=n, stride_cn=1, stride_cs=0,
         SLICE_STEPS=plan.slice_len // plan.block_k, GROUP_SIZE=0 if qw.group_size == k else qw.group_size,
         BITS=bits, HAS_ZEROS=False,
-        PER_CHANNEL=qw.group_size == k, HAS_BIAS=False, WRITE_PARTIAL=False, USE_PRMT=True, SLICES=plan.slices, PDL=0,
+        PER_CHANNEL=qw.group_size == k, HAS_BIAS=False, WRITE_PARTIAL=False, USE_PRMT=True, SLICES=plan.slices,
         K_TAIL=False, MASK_M=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=plan.block_k,
     )
     if hasattr(triton_kernel_wrap, "identify_mutated_tensors"):  # torch 2.11

@@ -424,7 +424,6 @@ def _weight_only_decode_kernel(
     WRITE_PARTIAL: tl.constexpr,  # split-K: store the raw float32 partial tile (epilogue in the reduce)
     USE_PRMT: tl.constexpr,  # a GPU: PTX code conversions (_biased_code_floats, _int4_weights)
     SLICES: tl.constexpr,  # K slices of a program, one a warp
-    PDL: tl.constexpr,  # 0, or a programmatic dependent launch (see _pdl_start and ops.WEIGHT_ONLY_PDL_NOTE)
     K_TAIL: tl.constexpr,  # K % BLOCK_K != 0: a step may end past K
     MASK_M: tl.constexpr,  # M < BLOCK_M: rows of x past M are masked (see below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -464,9 +463,6 @@ def _weight_only_decode_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_qn = (offs_n % N).to(tl.int64)  # rows past N re-read valid ones (their store is masked)
-    CODES_PER_BYTE: tl.constexpr = 8 // BITS
-    slice_bytes = SLICE_STEPS * (BLOCK_K // CODES_PER_BYTE)
-    _pdl_start(q_ptr + offs_qn * stride_qn + pid_k * SLICES * slice_bytes * stride_qk, PDL, True)
     offs_m = tl.arange(0, BLOCK_M)
     # Rows of x past M are masked, not wrapped onto valid ones as in the other kernels: every
     # program reads the same x, and at M = 2 eight copies of each row in every request kept the
@@ -485,7 +481,9 @@ def _weight_only_decode_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = (x_ptr + offs_m.to(tl.int64)[None, None, :] * stride_xm
               + (slice_start[:, None, None] + offs_k[None, :, None]) * stride_xk)  # (SLICES, BLOCK_K, BLOCK_M)
+    CODES_PER_BYTE: tl.constexpr = 8 // BITS
     offs_q = tl.arange(0, BLOCK_K // CODES_PER_BYTE)  # code bytes of a step
+    slice_bytes = SLICE_STEPS * (BLOCK_K // CODES_PER_BYTE)
     q_ptrs = (q_ptr + offs_qn[None, :, None] * stride_qn
               + ((pid_k * SLICES + offs_s) * slice_bytes)[:, None, None] * stride_qk
               + offs_q[None, None, :] * stride_qk)  # (SLICES, BLOCK_N, BLOCK_K // CODES_PER_BYTE)
@@ -536,8 +534,6 @@ def _weight_only_decode_kernel(
             acc += part * scale[:, :, None]
         x_ptrs += BLOCK_K * stride_xk
         q_ptrs += BLOCK_K // CODES_PER_BYTE * stride_qk
-    if PDL == 2:  # see _pdl_start
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.sum(acc, axis=0)
     if PER_CHANNEL:
         acc = acc * tl.load(scales_ptr + offs_qn * stride_sn).to(tl.float32)[:, None]

@@ -184,18 +184,15 @@ WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM = 3
 # slices' final sum): fewer stages, then fewer slices, where a plan would need more.
 WEIGHT_ONLY_MAX_SHARED = {9: 200 << 10, 8: 150 << 10}
 WEIGHT_ONLY_MAX_SHARED_OTHER = 90 << 10
-# WEIGHT_ONLY_PDL_NOTE: the weight-only decode launches are programmatic dependent launches on
-# Hopper and newer too (see DECODE_PDL): the int4 GEMV (M = 1) as the other GEMVs, letting the next
-# kernel launch at its start (1); the dequantizing decode kernel, several small programs an SM,
-# after its K loop (2): at 1 the next call's programs landed beside ours and cost 1-8 us. H200,
-# bf16 x, CUDA-graph replays of one call per rotated weight copy, three alternated rounds (scratch,
-# 2026-11-29), us without PDL / 1 / 2 at N x K = 4096x4096, 6144x4096, 14336x4096, 4096x14336:
-#   int4 GEMV, M = 1:            8.57 / 7.77;  11.01 / 11.10;  21.49 / 20.75;  23.43 / 22.67
-#   int4 group 128, M = 16:      8.66 / 10.44 / 7.92;  11.11 / 12.46 / 10.80;  19.98 / 19.63 / 19.45;
-#                                22.07 / 25.88 / 21.24
-#   int8 per channel, M = 16:    9.27 / 11.27 / 8.62;  13.38 / 16.32 / 12.76;  21.73 / 26.26 / 21.23;
-#                                23.39 / 29.93 / 22.79
-#   (M = 4, both formats: 2 faster than none by 0.2-0.8 us at every shape, 1 slower by up to 8 us.)
+# The int4 GEMV (M = 1) is a programmatic dependent launch as the other GEMVs (DECODE_PDL: the next
+# kernel may launch at its start). H200, bf16 x, group 128, CUDA-graph replays of one call per
+# rotated weight copy, three alternated rounds (scratch, 2026-11-29), us without / with at N x K =
+# 4096x4096, 6144x4096, 14336x4096, 4096x14336: 8.57 / 7.77, 11.01 / 11.10, 21.49 / 20.75,
+# 23.43 / 22.67. (Tried and dropped: the dequantizing decode kernel (M >= 2) as a dependent launch
+# that lets the next kernel in after its K loop. Timed a replay at a time (synchronized), it was
+# 0.3-0.8 us faster at M = 4 and 16 on every projection; in the benchmark's back-to-back replays,
+# in two processes each, it was slower: M = 16 int8 8.6 -> 9.8 us (4096x4096), 22.5 -> 25.7
+# (4096x14336), int4 8.2 -> 8.6 and 21.8 -> 22.3. Why the two timings disagree was not settled.)
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
 # Every skinny-config BLOCK_K (64, 128, 256) divides this, so a split boundary is a tile boundary.
@@ -676,10 +673,6 @@ def quantized_matmul_fwd(
     strides = (x.stride(0), x.stride(1), qdata.stride(0), qdata.stride(1), scales.stride(0), scales.stride(1))
     if m <= SKINNY_MAX_M:
         plan = _weight_only_plan(m, n, k, bits, group_size, x.device)
-        # Many small programs an SM: a dependent launch lets the next kernel in after the K loop
-        # (2; see WEIGHT_ONLY_PDL_NOTE).
-        pdl = 2 if _pdl(x.device, interpret, traced) else 0
-        key = None if traced else (*key, pdl)
         ws = c if plan.split_k == 1 else torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
         launch = {} if interpret else dict(num_warps=plan.slices, num_stages=plan.num_stages)
         # Absent zero points and bias take the scales' place, not the output's: should
@@ -692,7 +685,6 @@ def quantized_matmul_fwd(
             BITS=bits, HAS_ZEROS=zeros is not None, PER_CHANNEL=group_size == k, HAS_BIAS=bias is not None,
             WRITE_PARTIAL=plan.split_k > 1, USE_PRMT=not interpret, SLICES=plan.slices, K_TAIL=k % plan.block_k != 0,
             MASK_M=m < plan.block_m, BLOCK_M=plan.block_m, BLOCK_N=WEIGHT_ONLY_BLOCK_N, BLOCK_K=plan.block_k, **launch,
-            **_pdl_args(pdl),
         )
         if plan.split_k > 1:
             _reduce(ws, c, bias=bias, traced=traced)
