@@ -12,7 +12,7 @@ from .ops import (
     rms_norm_linear,
 )
 
-__version__ = "0.1.22"
+__version__ = "0.1.23"
 __all__ = [
     "Linear",
     "QuantizedLinear",

@@ -458,6 +458,15 @@ def _weight_only_decode_kernel(
     Llama-3-8B projections (CUDA-graph replays, both kernels alternated): 1.14-1.28x faster
     than that at M = 2 and 16, 0.97-1.16x at M = 32. With 64 rows of x the split cost more than
     the join (0.73-0.85x), so there the PTX nibbles are joined (0.94-1.21x).
+
+    What bounds it is neither the bytes nor the SMs' issue rate. Nsight Compute, H200, the
+    benchmark's M = 16 6144x4096 rows (2026-11-29): int8, 384 one-warp programs, 4.5% achieved
+    occupancy, each warp issuing on 47% of its cycles, DRAM at 36% of its peak; int4, 384
+    four-warp programs, 16.7% occupancy, stalls spread over waits and short / long scoreboards,
+    DRAM at 23%. Sweeps of BLOCK_K x 1-8 slices x 3-8 stages x 16-, 32- and 64-row programs
+    (the wider ones re-read x from L2 half or a quarter as often) at M = 16 on the four
+    Llama-3-8B projections (scratch, CUDA-graph replays over rotated weight copies) beat the plan
+    by 0-10%, not enough for another rule; deeper pipelines never helped.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -686,8 +695,15 @@ def _int4_gemv_kernel(
     shape class, and at best 2.2x cuBLAS bf16 there (the issue's target is 3x).
     Loading the next step's bytes before using the current ones (registers double-buffered) was
     10-17% slower on all four, as in _gemv_kernel; a grid of 48 configs (rows, bytes a step,
-    warps, 1-2 stages) found nothing 3% faster than the autotuned pick. What bounds the loop is
-    not settled: neither fewer instructions nor more bytes in flight made it faster.)
+    warps, 1-2 stages) found nothing 3% faster than the autotuned pick. Neither fewer
+    instructions nor more bytes in flight made it faster. Nsight Compute, H200, the benchmark's
+    rows (2026-11-29): at 4096x4096 the autotuned tile holds 254 registers a thread, so at most
+    two 4-warp programs an SM, 256 programs, 12% achieved occupancy, stalled on memory (long
+    scoreboard) 34% of the cycles, DRAM at 19% of its peak; at 14336x4096 a 72-register tile,
+    38% occupancy, long scoreboard 39%, DRAM 29%: latency-bound, with too few warps waiting on
+    loads. _weight_only_decode_kernel (tensor cores, x padded to 16 rows) in the same sweep at
+    M = 1: from 3% more time to 12% less (14336x4096, 32-row programs over 2 slices: 18.8 against
+    21.3 us); not taken up.)
 
     Dequantization is one FMA per code, exact: with a = 0.5 + code / 256 (_nibble_floats),
     a * (256 s) - (128 + zero) * s = (code - zero) * s. 256 s is exact (a power of two times a

@@ -185,13 +185,17 @@ WEIGHT_ONLY_DEEP_MAX_PROGRAMS_PER_SM = 3
 WEIGHT_ONLY_MAX_SHARED = {9: 200 << 10, 8: 150 << 10}
 WEIGHT_ONLY_MAX_SHARED_OTHER = 90 << 10
 # The int4 GEMV (M = 1) is a programmatic dependent launch as the other GEMVs (DECODE_PDL: the next
-# kernel may launch at its start). H200, bf16 x, group 128, CUDA-graph replays of one call per
-# rotated weight copy, three alternated rounds (scratch, 2026-11-29), us without / with at N x K =
-# 4096x4096, 6144x4096, 14336x4096, 4096x14336: 8.57 / 7.77, 11.01 / 11.10, 21.49 / 20.75,
-# 23.43 / 22.67. (Tried and dropped: the dequantizing decode kernel (M >= 2) as a dependent launch
-# that lets the next kernel in after its K loop. Timed a replay at a time (synchronized), it was
-# 0.3-0.8 us faster at M = 4 and 16 on every projection; in the benchmark's back-to-back replays,
-# in two processes each, it was slower: M = 16 int8 8.6 -> 9.8 us (4096x4096), 22.5 -> 25.7
+# kernel may launch at its start). H200, bf16 x, group 128, the benchmark's CUDA-graph replays
+# (history rows, two processes each, 2026-11-29), us without / with at N x K = 4096x4096,
+# 6144x4096, 14336x4096, 4096x14336: 8.3 / 7.8-7.9, 10.5 / 10.9-11.4, 21.3 / 20.6, 23.3 / 22.3:
+# faster but at 6144x4096 (not profiled; a likely cause: a grid of more than one wave of resident
+# programs, whose last programs then wait for SMs that the next kernel's programs, let in early,
+# hold). Letting it in after the K loop instead (PDL 2) was 9.8 us there but 23.3 at 14336x4096 and
+# 22.9 at 4096x14336: not taken.
+# (Tried and dropped: the dequantizing decode kernel (M >= 2) as a dependent launch that lets the
+# next kernel in after its K loop. Timed a replay at a time (synchronized), it was 0.3-0.8 us
+# faster at M = 4 and 16 on every projection; in the benchmark's back-to-back replays, in two
+# processes each, it was slower: M = 16 int8 8.6 -> 9.8 us (4096x4096), 22.5 -> 25.7
 # (4096x14336), int4 8.2 -> 8.6 and 21.8 -> 22.3. Why the two timings disagree was not settled.)
 # int4 at M = 1: the GEMV's tile holds whole groups, a power of two of bytes each
 INT4_GEMV_GROUP_SIZES = (32, 64, 128, 256)
