@@ -527,38 +527,6 @@ def test_one_wave_decode_gemm_settles_on_one_program_per_sm(seed, m, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 48])
-def test_decode_chain_reads_what_the_launch_before_wrote(seed, m):
-    """Each decode launch reads the output of the one before (a chain of square GEMMs), eagerly
-    and replayed from a CUDA graph on new inputs: a dependent launch (ops.DECODE_PDL) that read
-    its input before the kernel writing it had finished would fail the float64 check of its
-    link (each link is checked on the input it was given)."""
-    k = 4096
-    ws = [testing.randn(k, k, dtype=torch.bfloat16, device="cuda", seed=seed + i, scale=k**-0.5) for i in range(4)]
-    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 10)
-
-    def chain():
-        outs = [x]
-        for w in ws:
-            outs.append(matmul(outs[-1], w.t()))
-        return outs
-
-    def check_links(outs):
-        for i, w in enumerate(ws):
-            check(outs[i + 1], outs[i], w.t(), name=f"link {i} of the decode chain")
-
-    check_links(chain())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for i in range(2):
-        x.copy_(testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 20 + i))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_links(outs)
-
-
-@pytest.mark.gpu
 def test_matmul_runs_on_the_operands_gpu_not_the_current_one(seed):
     """A model spread over GPUs (device_map="auto") calls with tensors on a non-current GPU."""
     if torch.cuda.device_count() < 2:

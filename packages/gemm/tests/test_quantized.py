@@ -442,40 +442,6 @@ def test_int4_decode_ptx_dequantization(seed, dtype, symmetric, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 128)])
-@pytest.mark.parametrize("m", [1, 16])  # the GEMVs (dependent launches), the decode kernel
-def test_weight_only_chain_reads_what_the_launch_before_wrote(seed, bits, group_size, m):
-    """Each weight-only decode launch reads the output of the one before (a chain of square
-    layers), eagerly and replayed from a CUDA graph on new inputs: a dependent launch
-    (ops.DECODE_PDL) that read its input before the kernel writing it had finished
-    would fail the float64 check of its link (each link is checked on the input it was given)."""
-    k = 4096
-    qws = [quantize_weight(testing.randn(k, k, dtype=torch.bfloat16, device="cuda", seed=seed + i, scale=k**-0.5),
-                           bits, group_size) for i in range(4)]
-    x = testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 10)
-
-    def chain():
-        outs = [x]
-        for qw in qws:
-            outs.append(quantized_matmul(outs[-1], qw))
-        return outs
-
-    def check_links(outs):
-        for i, qw in enumerate(qws):
-            check_quantized(outs[i], qw, out=outs[i + 1], name=f"link {i} of the int{bits} chain")
-
-    check_links(chain())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for i in range(2):
-        x.copy_(testing.randn(m, k, dtype=torch.bfloat16, device="cuda", seed=seed + 20 + i))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_links(outs)
-
-
-@pytest.mark.gpu
 def test_quantized_matmul_torch_compile_fullgraph(seed):
     x = testing.randn(8, 512, dtype=torch.bfloat16, device="cuda", seed=seed)
     qw = quantize_weight(testing.randn(256, 512, dtype=torch.bfloat16, device="cuda", seed=seed + 1), 4, 128)
