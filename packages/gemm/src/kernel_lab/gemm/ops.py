@@ -79,7 +79,7 @@ SKINNY_MAX_M = 64
 SKINNY_BLOCK_N = 64
 SKINNY_MIN_BLOCK_N = 32
 SPLIT_PROGRAMS_PER_SM = 0.5
-# Decode launches (the skinny GEMM, the one-row GEMV, rms_norm_linear's rows kernel) are
+# Decode launches (the skinny GEMM, the one-row GEMVs, rms_norm_linear's rows kernel) are
 # programmatic dependent launches on Hopper and newer (see _kernels._pdl_start and _pdl): a
 # decode step is a chain of small kernels, each paying a launch and a ramp to full bandwidth
 # (about 3.5 us a GEMM in a CUDA graph on the H200: 4096x4096 at M = 16, 33.5 MB, takes 11.8 us
