@@ -28,6 +28,9 @@ def check_chain(layers, x, check_link, seed):
 
     def check_links(outs):
         for i in range(len(layers)):
+            # square layers: each output has its input's shape and dtype (as the moved matmul
+            # chain test's check asserted)
+            assert outs[i + 1].dtype == x.dtype and outs[i + 1].shape == outs[i].shape, (i, outs[i + 1].shape)
             check_link(i, outs[i], outs[i + 1])
 
     check_links(chain())
