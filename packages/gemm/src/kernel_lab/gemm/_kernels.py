@@ -463,10 +463,11 @@ def _weight_only_decode_kernel(
     benchmark's M = 16 6144x4096 rows (2026-11-29): int8, 384 one-warp programs, 4.5% achieved
     occupancy, each warp issuing on 47% of its cycles, DRAM at 36% of its peak; int4, 384
     four-warp programs, 16.7% occupancy, stalls spread over waits and short / long scoreboards,
-    DRAM at 23%. Sweeps of BLOCK_K x 1-8 slices x 3-8 stages x 16-, 32- and 64-row programs
-    (the wider ones re-read x from L2 half or a quarter as often) at M = 16 on the four
-    Llama-3-8B projections (scratch, CUDA-graph replays over rotated weight copies) beat the plan
-    by 0-10%, not enough for another rule; deeper pipelines never helped.
+    DRAM at 23%. Two sweeps at M = 16 on the four Llama-3-8B projections (scratch, CUDA-graph
+    replays over rotated weight copies), BLOCK_K x 1-8 slices x 3, 4, 6 or 8 stages with 16-row
+    programs, and BLOCK_K x 1-4 slices x 3-4 stages with 16-, 32- and 64-row programs (the wider
+    ones re-read x from L2 half or a quarter as often), beat the plan by 0-10%, not enough for
+    another rule; deeper pipelines never helped.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
